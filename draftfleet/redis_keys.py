@@ -1,0 +1,58 @@
+"""Every Redis key and queue name the fleet uses, in one place (arq's ``constants.py`` habit).
+
+Redis holds scheduling state and fast counters only; the store is the truth. Everything here
+can be lost (Redis restarted empty) and rebuilt: ``enqueue`` re-queues what the store lacks.
+"""
+
+from __future__ import annotations
+
+PREFIX = "draftfleet:"
+QUEUE_PREFIX = "draftfleet."
+TASK_NAME = "draftfleet.generate"
+
+
+def queue(dataset: str) -> str:
+    """The Celery queue (a Redis list of the same name) of a dataset."""
+    return f"{QUEUE_PREFIX}{dataset}"
+
+
+def dataset_of_queue(name: str) -> str | None:
+    return name[len(QUEUE_PREFIX):] if name.startswith(QUEUE_PREFIX) else None
+
+
+def queued_set(dataset: str) -> str:
+    """Keys sent to the queue and not yet finished: lets enqueue skip what is already queued."""
+    return f"{PREFIX}queued:{dataset}"
+
+
+def claim(dataset: str, key: str) -> str:
+    """Held (SET NX EX) by the worker generating ``key`` now; stops a redelivered twin running too."""
+    return f"{PREFIX}claim:{dataset}:{key}"
+
+
+def counted_set(dataset: str) -> str:
+    """Keys already added to the counters: each stored key is counted exactly once."""
+    return f"{PREFIX}counted:{dataset}"
+
+
+def totals(dataset: str, backend: str) -> str:
+    """Hash of fast counters (responses, prompt_tokens, completion_tokens, cost_usd_micro)."""
+    return f"{PREFIX}totals:{dataset}:{backend}"
+
+
+def totals_pattern(dataset: str = "*") -> str:
+    return f"{PREFIX}totals:{dataset}:*"
+
+
+def events(dataset: str) -> str:
+    """Counters of retries and failures by reason (hash)."""
+    return f"{PREFIX}events:{dataset}"
+
+
+DEAD_LETTER = f"{PREFIX}dead_letter"
+WORKERS = f"{PREFIX}workers"
+
+
+def worker_report(hostname: str) -> str:
+    """A worker's own last report (JSON, with a TTL): kind, backend, in flight, paused."""
+    return f"{PREFIX}worker:{hostname}"

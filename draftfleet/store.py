@@ -1,0 +1,191 @@
+"""The object store: one JSON file per prompt key, the fleet's source of truth.
+
+Layout under the root::
+
+    <dataset>/manifest.json            settings the dataset's keys were made with
+    <dataset>/<key[:2]>/<key>.json     one ResponseRecord per key, write-once
+    _failures/<dataset>/<key>.json     tasks whose retries ran out (re-queueable)
+    _quarantine/<dataset>.jsonl        input lines that were rejected, verbatim
+
+Writes are atomic (temp file in the same folder, fsync, then ``link``): ``link`` fails when the
+target exists, so of two workers finishing the same key exactly one wins, on any POSIX file
+system including NFS. The winner is the only one that counts the record.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from .schemas.config import NAME_RE
+from .schemas.records import DatasetManifest, FailureRecord, QuarantineEntry, ResponseRecord
+
+KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+_encoder = msgspec.json.Encoder()
+_record_decoder = msgspec.json.Decoder(ResponseRecord)
+_failure_decoder = msgspec.json.Decoder(FailureRecord)
+_manifest_decoder = msgspec.json.Decoder(DatasetManifest)
+
+
+class StoreError(Exception):
+    """The store could not be read or written (permissions, disk full, bad name)."""
+
+
+def check_name(dataset: str) -> str:
+    """Refuse any dataset name that could leave the root (``..``, ``/``, NUL, absolute)."""
+    if not isinstance(dataset, str) or not NAME_RE.match(dataset) or ".." in dataset:
+        raise StoreError(f"unsafe dataset name {dataset!r}")
+    return dataset
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not KEY_RE.match(key):
+        raise StoreError(f"malformed key {key!r}: expected 64 hex characters")
+    return key
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_temp(folder: Path, data: bytes) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+class Store:
+    """Object-keyed files under ``root``; safe to share between machines over NFS."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    # -- responses -----------------------------------------------------------------------
+    def path(self, dataset: str, key: str) -> Path:
+        check_name(dataset)
+        check_key(key)
+        return self.root / dataset / key[:2] / f"{key}.json"
+
+    def has(self, dataset: str, key: str) -> bool:
+        return self.path(dataset, key).exists()
+
+    def put(self, record: ResponseRecord) -> bool:
+        """Write ``record`` once. True if this call stored it, False if the key already had one."""
+        final = self.path(record.dataset, record.key)
+        if final.exists():
+            return False
+        try:
+            tmp = _write_temp(final.parent, _encoder.encode(record))
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            _fsync_dir(final.parent)
+        except OSError as exc:
+            raise StoreError(f"cannot write {final}: {exc.strerror or exc}") from exc
+        return True
+
+    def get(self, dataset: str, key: str) -> ResponseRecord:
+        return _record_decoder.decode(self.path(dataset, key).read_bytes())
+
+    def keys(self, dataset: str) -> set[str]:
+        """Every key with a stored result (file names only; nothing is parsed)."""
+        base = self.root / check_name(dataset)
+        out: set[str] = set()
+        if not base.is_dir():
+            return out
+        for shard in os.scandir(base):
+            if shard.is_dir() and len(shard.name) == 2:
+                for entry in os.scandir(shard.path):
+                    name = entry.name
+                    if name.endswith(".json") and not name.startswith("."):
+                        out.add(name[:-5])
+        return out
+
+    def record_paths(self, dataset: str) -> Iterator[Path]:
+        base = self.root / check_name(dataset)
+        if not base.is_dir():
+            return
+        for shard in sorted(os.scandir(base), key=lambda e: e.name):
+            if shard.is_dir() and len(shard.name) == 2:
+                for name in sorted(os.listdir(shard.path)):
+                    if name.endswith(".json") and not name.startswith("."):
+                        yield Path(shard.path) / name
+
+    def records(self, dataset: str) -> Iterator[ResponseRecord]:
+        for p in self.record_paths(dataset):
+            yield _record_decoder.decode(p.read_bytes())
+
+    def datasets(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            e.name for e in os.scandir(self.root) if e.is_dir() and NAME_RE.match(e.name) and ".." not in e.name
+        )
+
+    # -- manifests -----------------------------------------------------------------------
+    def manifest_path(self, dataset: str) -> Path:
+        return self.root / check_name(dataset) / "manifest.json"
+
+    def manifest(self, dataset: str) -> DatasetManifest | None:
+        p = self.manifest_path(dataset)
+        return _manifest_decoder.decode(p.read_bytes()) if p.exists() else None
+
+    def write_manifest(self, manifest: DatasetManifest) -> None:
+        final = self.manifest_path(manifest.name)
+        tmp = _write_temp(final.parent, msgspec.json.format(_encoder.encode(manifest)))
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+
+    # -- failures ------------------------------------------------------------------------
+    def failure_path(self, dataset: str, key: str) -> Path:
+        return self.root / "_failures" / check_name(dataset) / f"{check_key(key)}.json"
+
+    def put_failure(self, failure: FailureRecord) -> None:
+        final = self.failure_path(failure.dataset, failure.key)
+        try:
+            tmp = _write_temp(final.parent, _encoder.encode(failure))
+            os.replace(tmp, final)
+        except OSError as exc:
+            raise StoreError(f"cannot write {final}: {exc.strerror or exc}") from exc
+
+    def failures(self, dataset: str) -> list[FailureRecord]:
+        base = self.root / "_failures" / check_name(dataset)
+        if not base.is_dir():
+            return []
+        return [_failure_decoder.decode(p.read_bytes()) for p in sorted(base.glob("*.json"))]
+
+    def clear_failure(self, dataset: str, key: str) -> None:
+        self.failure_path(dataset, key).unlink(missing_ok=True)
+
+    # -- quarantine ----------------------------------------------------------------------
+    def quarantine_path(self, dataset: str) -> Path:
+        return self.root / "_quarantine" / f"{check_name(dataset)}.jsonl"
+
+    def quarantine(self, dataset: str, entries: list[QuarantineEntry]) -> None:
+        if not entries:
+            return
+        p = self.quarantine_path(dataset)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "ab") as fh:
+            for e in entries:
+                fh.write(_encoder.encode(e) + b"\n")

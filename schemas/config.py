@@ -1,0 +1,240 @@
+"""The fleet configuration: one ``fleet.toml`` decoded into typed Structs.
+
+Errors name the key at fault (``datasets[1].max_tokens``) and the file. Relative paths are
+resolved against the file's folder, so a config works from any working directory. API keys
+never live here: a cloud backend names the *environment variable* that holds its key.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from .records import GenerationSettings
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the file and the key at fault in its message."""
+
+
+class FleetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where the fleet keeps its state and which target model it generates for.
+
+    ``visibility_timeout_s`` must exceed the longest a task can hold its message: Redis
+    redelivers an unacked message older than it, counting from reservation, to any worker.
+    """
+
+    store: str
+    model: str
+    tokenizer: str | None = None
+    tokenizer_use_fast: bool = True
+    tokenizer_trust_remote_code: bool = False
+    end_of_turn: str | None = None
+    redis_url: str | None = None
+    visibility_timeout_s: int = 6 * 3600
+    max_attempts: int = 6
+
+
+class FieldMap(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Which columns hold the prompt, for files whose shape is not detected on its own."""
+
+    messages: str | None = None
+    prompt: str | None = None
+    instruction: str | None = None
+    input: str | None = None
+    system: str | None = None
+    id: str | None = None
+
+
+class DatasetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    path: str
+    format: Literal["jsonl", "parquet"] | None = None
+    fields: FieldMap = msgspec.field(default_factory=FieldMap)
+    budget_tokens: int | None = None
+    max_tokens: int = 4096
+    temperature: float = 0.7
+    top_p: float = 1.0
+    system_prompt: str | None = None
+
+    def settings(self, model: str) -> GenerationSettings:
+        return GenerationSettings(
+            model=model,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            system_prompt=self.system_prompt,
+        )
+
+    @property
+    def file_format(self) -> str:
+        if self.format:
+            return self.format
+        return "parquet" if self.path.endswith((".parquet", ".pq")) else "jsonl"
+
+
+class SGLangLaunch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How ``draftfleet worker gpu --gpu N`` launches its own SGLang server."""
+
+    model_path: str
+    tp: int = 1
+    port_base: int = 30000
+    host: str = "127.0.0.1"
+    extra_args: list[str] = []
+    python: str | None = None
+    startup_timeout_s: float = 1800.0
+
+
+class SGLangBackend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    urls: list[str] = []
+    launch: SGLangLaunch | None = None
+    inflight: int = 128
+    request_timeout_s: float = 1800.0
+    connect_timeout_s: float = 10.0
+
+
+class CloudBackend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An OpenAI-compatible chat-completions API (OpenRouter, or any such endpoint)."""
+
+    base_url: str
+    model: str
+    api_key_env: str
+    concurrency: int = 32
+    price_input_per_mtok: float = 0.0
+    price_output_per_mtok: float = 0.0
+    max_spend_usd: float | None = None
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    headers: dict[str, str] = {}
+    extra_body: dict[str, object] = {}
+    pause_s: float = 300.0
+
+
+class FleetConfig(msgspec.Struct, kw_only=True):
+    fleet: FleetSection
+    datasets: list[DatasetConfig]
+    sglang: SGLangBackend | None
+    clouds: dict[str, CloudBackend]
+    path: str
+
+    def dataset(self, name: str) -> DatasetConfig:
+        for ds in self.datasets:
+            if ds.name == name:
+                return ds
+        raise ConfigError(f"{self.path}: no dataset named {name!r} (have: {', '.join(d.name for d in self.datasets)})")
+
+    def cloud(self, name: str) -> CloudBackend:
+        if name not in self.clouds:
+            have = ", ".join(self.clouds) or "none"
+            raise ConfigError(f"{self.path}: no cloud backend [backends.{name}] (have: {have})")
+        return self.clouds[name]
+
+    def longest_task_s(self) -> float:
+        """Worst case a task holds its message: every attempt timing out, plus backoff."""
+        timeouts = [c.request_timeout_s + c.connect_timeout_s for c in self.clouds.values()]
+        if self.sglang:
+            timeouts.append(self.sglang.request_timeout_s + self.sglang.connect_timeout_s)
+        per_attempt = max(timeouts, default=0.0)
+        return self.fleet.max_attempts * (per_attempt + 60.0)
+
+
+def _convert(obj: object, typ: type, where: str, path: str):
+    try:
+        return msgspec.convert(obj, typ)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        # msgspec reports "... - at `$.x[0].y`": turn it into the key path users wrote.
+        m = re.search(r" - at `\$(.*)`$", msg)
+        key = where + (m.group(1) if m else "")
+        text = msg[: m.start()] if m else msg
+        raise ConfigError(f"{path}: {key.lstrip('.')}: {text}") from None
+
+
+def _resolve(base: Path, p: str) -> str:
+    q = Path(p).expanduser()
+    return str(q if q.is_absolute() else (base / q).resolve())
+
+
+def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
+    """Validate a decoded TOML document; ``path`` is used in messages and to resolve paths."""
+    base = Path(path).resolve().parent
+    if "fleet" not in data:
+        raise ConfigError(f"{path}: missing [fleet] table")
+    unknown = set(data) - {"fleet", "datasets", "backends"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key(s): {', '.join(sorted(unknown))}")
+    fleet = _convert(data["fleet"], FleetSection, "fleet", path)
+    fleet = msgspec.structs.replace(
+        fleet,
+        store=_resolve(base, fleet.store),
+        tokenizer=_resolve(base, fleet.tokenizer) if fleet.tokenizer else None,
+    )
+    datasets = _convert(data.get("datasets", []), list[DatasetConfig], "datasets", path)
+    seen: set[str] = set()
+    for i, ds in enumerate(datasets):
+        where = f"{path}: datasets[{i}]"
+        if not NAME_RE.match(ds.name) or ".." in ds.name:
+            raise ConfigError(f"{where}.name: {ds.name!r} is not a safe name (letters, digits, _ . -; at most 64)")
+        if ds.name in seen:
+            raise ConfigError(f"{where}.name: dataset {ds.name!r} is defined twice")
+        seen.add(ds.name)
+        if ds.max_tokens <= 0:
+            raise ConfigError(f"{where}.max_tokens: must be positive")
+        if ds.budget_tokens is not None and ds.budget_tokens <= 0:
+            raise ConfigError(f"{where}.budget_tokens: must be positive")
+        if not 0.0 <= ds.temperature <= 2.0:
+            raise ConfigError(f"{where}.temperature: must be within 0..2")
+        if not 0.0 < ds.top_p <= 1.0:
+            raise ConfigError(f"{where}.top_p: must be within (0, 1]")
+    datasets = [msgspec.structs.replace(ds, path=_resolve(base, ds.path)) for ds in datasets]
+
+    backends = data.get("backends", {})
+    if not isinstance(backends, dict):
+        raise ConfigError(f"{path}: backends: expected a table")
+    sglang = _convert(backends["sglang"], SGLangBackend, "backends.sglang", path) if "sglang" in backends else None
+    if sglang and sglang.inflight < 1:
+        raise ConfigError(f"{path}: backends.sglang.inflight: must be at least 1")
+    clouds: dict[str, CloudBackend] = {}
+    for name, raw in backends.items():
+        if name == "sglang":
+            continue
+        if not NAME_RE.match(name):
+            raise ConfigError(f"{path}: backends.{name}: not a safe backend name")
+        cb = _convert(raw, CloudBackend, f"backends.{name}", path)
+        if not ENV_NAME_RE.match(cb.api_key_env):
+            # Never echo the value: if it is not a variable name it may well be the key itself.
+            raise ConfigError(
+                f"{path}: backends.{name}.api_key_env: must be the NAME of an environment variable "
+                "(e.g. OPENROUTER_API_KEY), never the key itself"
+            )
+        if cb.concurrency < 1:
+            raise ConfigError(f"{path}: backends.{name}.concurrency: must be at least 1")
+        clouds[name] = cb
+    cfg = FleetConfig(fleet=fleet, datasets=datasets, sglang=sglang, clouds=clouds, path=str(Path(path)))
+    if cfg.longest_task_s() >= fleet.visibility_timeout_s:
+        raise ConfigError(
+            f"{path}: fleet.visibility_timeout_s: {fleet.visibility_timeout_s}s is shorter than the longest "
+            f"a task can run ({cfg.longest_task_s():.0f}s = max_attempts x request timeouts): Redis would "
+            "hand a running task to a second worker"
+        )
+    return cfg
+
+
+def load_config(path: str | Path) -> FleetConfig:
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    return parse_config(data, str(p))
