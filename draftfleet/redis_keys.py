@@ -9,6 +9,9 @@ from __future__ import annotations
 PREFIX = "draftfleet:"
 QUEUE_PREFIX = "draftfleet."
 TASK_NAME = "draftfleet.generate"
+# kombu's Redis transport keeps delivered-but-unacked messages here (its defaults).
+UNACKED = "unacked"
+UNACKED_INDEX = "unacked_index"
 
 
 def queue(dataset: str) -> str:
@@ -18,11 +21,6 @@ def queue(dataset: str) -> str:
 
 def dataset_of_queue(name: str) -> str | None:
     return name[len(QUEUE_PREFIX):] if name.startswith(QUEUE_PREFIX) else None
-
-
-def queued_set(dataset: str) -> str:
-    """Keys sent to the queue and not yet finished: lets enqueue skip what is already queued."""
-    return f"{PREFIX}queued:{dataset}"
 
 
 def claim(dataset: str, key: str) -> str:
@@ -42,6 +40,11 @@ def totals(dataset: str, backend: str) -> str:
 
 def totals_pattern(dataset: str = "*") -> str:
     return f"{PREFIX}totals:{dataset}:*"
+
+
+def spend(backend: str) -> str:
+    """Spend of a backend across datasets (hash: cost_micro_usd), checked against its cap."""
+    return f"{PREFIX}spend:{backend}"
 
 
 def events(dataset: str) -> str:

@@ -182,10 +182,10 @@ class Store:
         return self.root / "_quarantine" / f"{check_name(dataset)}.jsonl"
 
     def quarantine(self, dataset: str, entries: list[QuarantineEntry]) -> None:
-        if not entries:
-            return
+        """Replace the dataset's quarantine file with this run's rejects (a re-run never doubles it)."""
         p = self.quarantine_path(dataset)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        with open(p, "ab") as fh:
-            for e in entries:
-                fh.write(_encoder.encode(e) + b"\n")
+        if not entries:
+            p.unlink(missing_ok=True)
+            return
+        data = b"".join(_encoder.encode(e) + b"\n" for e in entries)
+        os.replace(_write_temp(p.parent, data), p)

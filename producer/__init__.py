@@ -1,1 +1,1 @@
-"""x"""
+"""The producer: dataset readers and enqueue."""

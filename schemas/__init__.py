@@ -1,1 +1,1 @@
-"""x"""
+"""Configuration and record schemas (msgspec Structs)."""

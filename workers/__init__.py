@@ -1,1 +1,1 @@
-"""x"""
+"""The workers: Celery app, the generate task, SGLang and cloud backends."""

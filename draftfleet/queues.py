@@ -1,0 +1,57 @@
+"""Reading the queues straight from Redis (Flower only lists queues some worker consumes).
+
+Every task is sent with its prompt key as the Celery task id, so the keys waiting in a queue, or
+delivered and not yet acknowledged (kombu keeps those in its ``unacked`` hash until the ack),
+can be listed from message headers alone, without decoding bodies. ``enqueue`` uses this to skip
+keys already queued; nothing else needs to be remembered, so nothing can go stale.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import redis
+
+from . import redis_keys as rk
+
+
+class _Headers(msgspec.Struct):
+    id: str = ""
+
+
+class _Envelope(msgspec.Struct):
+    headers: _Headers = msgspec.field(default_factory=_Headers)
+
+
+_env = msgspec.json.Decoder(_Envelope)
+_unacked = msgspec.json.Decoder(tuple[_Envelope, str, str])
+
+
+def queued_keys(r: redis.Redis, dataset: str, batch: int = 5000) -> set[str]:
+    """Keys of a dataset waiting in its queue or held unacked by some worker."""
+    q = rk.queue(dataset)
+    keys: set[str] = set()
+    start = 0
+    while True:
+        chunk = r.lrange(q, start, start + batch - 1)
+        for raw in chunk:
+            try:
+                keys.add(_env.decode(raw).headers.id)
+            except msgspec.DecodeError:
+                continue  # a poison message: the worker dead-letters it
+        if len(chunk) < batch:
+            break
+        start += batch
+    for _tag, raw in r.hscan_iter(rk.UNACKED, count=1000):
+        try:
+            env, _exchange, routing_key = _unacked.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        if routing_key == q:
+            keys.add(env.headers.id)
+    keys.discard("")
+    return keys
+
+
+def depth(r: redis.Redis, dataset: str) -> int:
+    """Messages waiting in a dataset's queue (not counting those workers hold)."""
+    return int(r.llen(rk.queue(dataset)))

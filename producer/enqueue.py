@@ -1,0 +1,144 @@
+"""``draftfleet enqueue``: put every prompt that has no result yet on its dataset's queue.
+
+Resume is the default and needs no state of its own: a key is skipped when the store holds its
+result, when it is already queued or held by a worker (read from Redis itself), or when it failed
+before (unless ``retry_failed``). Running enqueue twice, or again after Redis lost everything,
+queues exactly what is missing. A dataset's manifest pins the settings its keys were made with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import msgspec
+import redis
+from celery import Celery
+
+from .. import redis_keys as rk
+from ..identity import prompt_key, settings_id
+from ..queues import queued_keys
+from ..schemas.config import DatasetConfig, FleetConfig
+from ..schemas.records import DatasetManifest, Message, PromptTask
+from ..store import Store
+from .readers import PromptRow, Rejection, read_prompts
+
+
+class EnqueueError(RuntimeError):
+    pass
+
+
+class EnqueueSummary(msgspec.Struct, kw_only=True):
+    dataset: str
+    version: int
+    read: int = 0
+    queued: int = 0
+    already_done: int = 0
+    already_queued: int = 0
+    failed_before: int = 0
+    duplicate_in_input: int = 0
+    rejected: int = 0
+    rejected_by_kind: dict[str, int] = {}
+    quarantine_file: str | None = None
+
+
+def check_manifest(store: Store, cfg: FleetConfig, ds: DatasetConfig, new_version: bool) -> DatasetManifest:
+    """Pin the dataset's settings; refuse to mix settings in one version of a dataset."""
+    settings = ds.settings(cfg.fleet.model)
+    sid = settings_id(settings)
+    current = store.manifest(ds.name)
+    if current is not None and current.settings_id == sid:
+        if current.budget_tokens != ds.budget_tokens:
+            current = msgspec.structs.replace(current, budget_tokens=ds.budget_tokens)
+            store.write_manifest(current)
+        return current
+    if current is not None and not new_version:
+        raise EnqueueError(
+            f"dataset {ds.name!r} was started (version {current.version}) with settings "
+            f"{msgspec.json.encode(current.settings).decode()} but the config now says "
+            f"{msgspec.json.encode(settings).decode()}: pass --new-version to start version "
+            f"{current.version + 1} (results made with the old settings stay in the store)"
+        )
+    manifest = DatasetManifest(
+        name=ds.name,
+        version=current.version + 1 if current else 1,
+        settings=settings,
+        settings_id=sid,
+        budget_tokens=ds.budget_tokens,
+        created_at=time.time(),
+        previous=[*current.previous, current.settings] if current else [],
+    )
+    store.write_manifest(manifest)
+    return manifest
+
+
+def prompt_messages(ds: DatasetConfig, row: PromptRow) -> list[Message]:
+    """What is sent: the row's turns, with the dataset's system prompt when the row has none."""
+    if ds.system_prompt and not any(m.role == "system" for m in row.messages):
+        return [Message(role="system", content=ds.system_prompt), *row.messages]
+    return list(row.messages)
+
+
+def enqueue_dataset(
+    cfg: FleetConfig,
+    ds: DatasetConfig,
+    app: Celery,
+    r: redis.Redis,
+    store: Store,
+    *,
+    new_version: bool = False,
+    retry_failed: bool = False,
+    on_row: Callable[[], None] | None = None,
+    on_reject: Callable[[Rejection], None] | None = None,
+) -> EnqueueSummary:
+    manifest = check_manifest(store, cfg, ds, new_version)
+    summary = EnqueueSummary(dataset=ds.name, version=manifest.version)
+    done = store.keys(ds.name)
+    queued = queued_keys(r, ds.name)
+    failed = {f.key for f in store.failures(ds.name)}
+    seen: set[str] = set()
+    kinds: Counter[str] = Counter()
+    rejects = []
+    queue = rk.queue(ds.name)
+    with app.producer_or_acquire() as producer:
+        for item in read_prompts(ds):
+            if on_row:
+                on_row()
+            if isinstance(item, Rejection):
+                kinds[item.entry.kind] += 1
+                rejects.append(item.entry)
+                if on_reject:
+                    on_reject(item)
+                continue
+            summary.read += 1
+            messages = prompt_messages(ds, item)
+            key = prompt_key(ds.name, messages, manifest.settings)
+            if key in seen:
+                summary.duplicate_in_input += 1
+                continue
+            seen.add(key)
+            if key in done:
+                summary.already_done += 1
+                continue
+            if key in queued:
+                summary.already_queued += 1
+                continue
+            if key in failed and not retry_failed:
+                summary.failed_before += 1
+                continue
+            task = PromptTask(
+                key=key, dataset=ds.name, source=item.source, messages=messages,
+                settings=manifest.settings, settings_id=manifest.settings_id, enqueued_at=time.time(),
+            )
+            # The task id is the key: queued keys can then be read from message headers alone.
+            app.send_task(rk.TASK_NAME, args=[msgspec.to_builtins(task)], queue=queue, task_id=key, producer=producer)
+            if key in failed:
+                store.clear_failure(ds.name, key)
+            summary.queued += 1
+    store.quarantine(ds.name, rejects)
+    summary.rejected = sum(kinds.values())
+    summary.rejected_by_kind = dict(kinds)
+    if rejects:
+        summary.quarantine_file = str(store.quarantine_path(ds.name))
+    return summary

@@ -1,0 +1,163 @@
+"""The cloud backend: OpenAI-compatible chat completions (OpenRouter and the like) over httpx.
+
+The API returns text; it is re-tokenized with the target tokenizer (``retokenized``) while the
+provider's own counts and its real cost (OpenRouter ``usage.cost``) are kept beside ours.
+OpenRouter reports errors three ways: an HTTP status, HTTP 200 with an ``error`` body, or a
+choice with ``finish_reason: "error"``; all three are classified the same. A 402 for the
+in-flight budget is transient (it carries Retry-After); out of credits or a key limit halts.
+``max_tokens`` is always sent: OpenRouter reserves input + max_tokens per open request.
+The API key lives only in the client's headers: it is scrubbed from anything we report.
+"""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+
+from ..http import make_client
+from ..schemas.config import CloudBackend
+from ..schemas.records import PromptTask, Usage
+from ..tokenizer import TargetTokenizer, TokenizerError
+from .backends import Generation, Halt, Permanent, Transient, parse_retry_after
+
+_TRANSIENT_CODES = {408, 429, 500, 502, 503, 504, 520, 522, 524, 529}
+_TRANSIENT_402 = {"openrouter_in_flight_budget", "in_flight_budget_exhausted"}
+
+
+class CloudChat:
+    kind = "cloud"
+
+    def __init__(self, name: str, cfg: CloudBackend, tokenizer: TargetTokenizer, api_key: str):
+        self.name = name
+        self.cfg = cfg
+        self.concurrency = cfg.concurrency
+        self.tokenizer = tokenizer
+        self._secret = api_key
+        headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", **cfg.headers}
+        self.client = make_client(
+            cfg.concurrency,
+            connect_timeout=cfg.connect_timeout_s,
+            read_timeout=cfg.request_timeout_s,
+            base_url=cfg.base_url.rstrip("/"),
+            headers=headers,
+            trust_env=True,
+        )
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._secret, "***") if self._secret else text
+
+    def _classify(self, status: int, error: dict, retry_after: float | None) -> Exception:
+        code = error.get("code", status)
+        try:
+            code = int(code)
+        except (TypeError, ValueError):
+            code = status
+        message = self._scrub(str(error.get("message", "")))[:300]
+        meta = error.get("metadata") if isinstance(error.get("metadata"), dict) else {}
+        if code == 401:
+            return Halt("unauthorized", f"{self.name}: the API key was refused (401): {message}")
+        if code == 402:
+            source = str(meta.get("limit_source", "")) + " " + str(meta.get("reason", ""))
+            if any(t in source for t in _TRANSIENT_402):
+                return Transient("in_flight_budget", message, retry_after)
+            return Halt("payment_required", f"{self.name}: payment required (402, {source.strip() or 'credits'}): {message}")
+        if code == 404:
+            return Halt("not_found", f"{self.name}: model or endpoint not found (404): {message}")
+        if code in _TRANSIENT_CODES or code >= 500:
+            return Transient(f"http_{code}", message, retry_after)
+        if code == 403:
+            return Permanent("moderation", message)
+        return Permanent(f"http_{code}", message)
+
+    def generate(self, task: PromptTask) -> Generation:
+        s = task.settings
+        body = {
+            **self.cfg.extra_body,
+            "model": self.cfg.model,
+            "messages": [{"role": m.role, "content": m.content} for m in task.messages],
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+        }
+        try:
+            resp = self.client.post("/chat/completions", content=msgspec.json.encode(body))
+        except httpx.TimeoutException:
+            raise Transient("timeout", f"{self.name} did not answer in time") from None
+        except httpx.TransportError as exc:
+            raise Transient("connection", f"{self.name}: {type(exc).__name__}") from None
+        retry_after = parse_retry_after(resp.headers.get("retry-after"))
+        try:
+            out = msgspec.json.decode(resp.content)
+        except msgspec.DecodeError:
+            if resp.status_code != 200:
+                raise self._classify(resp.status_code, {"message": resp.text[:200]}, retry_after) from None
+            raise Transient("bad_body", "response is not JSON") from None
+        if not isinstance(out, dict):
+            raise Transient("bad_body", "response is not a JSON object")
+        if resp.status_code != 200 or "error" in out:
+            err = out.get("error") if isinstance(out.get("error"), dict) else {"message": str(out.get("error", ""))}
+            raise self._classify(resp.status_code, err, retry_after)
+        choices = out.get("choices") or []
+        if not choices:
+            raise Transient("bad_body", "no choices in the response")
+        choice = choices[0]
+        finish = choice.get("finish_reason") or choice.get("native_finish_reason") or ""
+        if finish == "error":
+            raise self._classify(200, choice.get("error") or {"code": 502, "message": "finish_reason error"}, retry_after)
+        if finish == "content_filter":
+            raise Permanent("content_filter", "the provider filtered the answer")
+        message = choice.get("message") or {}
+        text = message.get("content") or ""
+        reasoning = message.get("reasoning") or message.get("reasoning_content") or None
+        if not text and not reasoning:
+            raise Transient("empty_response", f"finish_reason {finish!r} with no content")
+        stopped = finish in ("stop", "eos", "end_turn")
+        try:
+            ids = self.tokenizer.completion_ids(task.messages, text, reasoning, stopped=stopped)
+        except TokenizerError as exc:
+            raise Permanent("retokenize", str(exc)) from None
+        usage = self._usage(out.get("usage") or {})
+        ours_prompt = len(self.tokenizer.prompt_ids(task.messages))
+        if usage.cost_usd is not None:
+            cost, source = usage.cost_usd, "provider"
+        elif self.cfg.price_input_per_mtok or self.cfg.price_output_per_mtok:
+            cost = (usage.prompt_tokens or ours_prompt) * self.cfg.price_input_per_mtok / 1e6 + (
+                usage.completion_tokens or len(ids)
+            ) * self.cfg.price_output_per_mtok / 1e6
+            source = "price_table"
+        else:
+            cost, source = 0.0, "none"
+        return Generation(
+            text=text,
+            reasoning=reasoning,
+            output_ids=ids,
+            prompt_tokens=ours_prompt,
+            finish_reason="stop" if stopped else ("length" if finish == "length" else str(finish)),
+            truncated=finish == "length",
+            token_source="retokenized",
+            usage=usage,
+            cost_usd=float(cost),
+            cost_source=source,
+            model=str(out.get("model") or self.cfg.model),
+        )
+
+    @staticmethod
+    def _usage(u: dict) -> Usage:
+        def num(d: dict, k: str) -> int:
+            v = d.get(k) if isinstance(d, dict) else None
+            return int(v) if isinstance(v, (int, float)) else 0
+
+        cost = u.get("cost")
+        upstream = (u.get("cost_details") or {}).get("upstream_inference_cost") if isinstance(u.get("cost_details"), dict) else None
+        return Usage(
+            prompt_tokens=num(u, "prompt_tokens"),
+            completion_tokens=num(u, "completion_tokens"),
+            cached_tokens=num(u.get("prompt_tokens_details") or {}, "cached_tokens"),
+            reasoning_tokens=num(u.get("completion_tokens_details") or {}, "reasoning_tokens"),
+            cost_usd=float(cost) if isinstance(cost, (int, float)) else None,
+            upstream_cost_usd=float(upstream) if isinstance(upstream, (int, float)) else None,
+            is_byok=u.get("is_byok") if isinstance(u.get("is_byok"), bool) else None,
+        )
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,290 @@
+"""The one task: generate a prompt, store it once, count it once.
+
+Delivery semantics. A message is acknowledged only after its result is stored (or its failure
+recorded), so a lost worker costs a redelivery. Redelivered copies are harmless: the store is
+checked first, a claim in Redis (``SET NX`` with a TTL the holder keeps refreshing) keeps a twin
+from generating the same key at the same time, and the store's write-once ``link`` plus the
+ledger's counted set make sure one result is stored and counted once. Every HTTP call has its
+own timeout, all well below the visibility timeout (the threads pool has no task time limits).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import msgspec
+import redis
+from celery import Celery
+from celery.exceptions import Reject
+
+from .. import redis_keys as rk
+from ..ledger import Ledger
+from ..schemas.config import FleetConfig
+from ..schemas.records import DeadLetter, FailureRecord, PromptTask, ResponseRecord
+from ..store import Store, StoreError, check_key, check_name
+from .backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
+from .sglang import ServerDown
+
+log = logging.getLogger("draftfleet.worker")
+
+CLAIM_TTL_S = 120
+HEARTBEAT_S = 20
+STORE_ATTEMPTS = 8
+
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class Runtime:
+    """Per-process worker state: the backend, the store, Redis, and the claims it holds."""
+
+    def __init__(self, app: Celery, cfg: FleetConfig, store: Store, r: redis.Redis, backend: Backend,
+                 hostname: str, queues: list[str], pause_s: float):
+        self.app = app
+        self.cfg = cfg
+        self.store = store
+        self.r = r
+        self.ledger = Ledger(r)
+        self.backend = backend
+        self.hostname = hostname
+        self.queues = queues
+        self.pause_s = pause_s
+        self.token = f"{hostname}:{os.getpid()}"
+        self._release = r.register_script(_RELEASE)
+        self._lock = threading.Lock()
+        self._claims: set[str] = set()
+        self.inflight = 0
+        self.paused: str | None = None
+        self._stop = threading.Event()
+
+    # -- claims and heartbeat --------------------------------------------------------------
+    def acquire(self, task: PromptTask) -> bool:
+        key = rk.claim(task.dataset, task.key)
+        if not self.r.set(key, self.token, nx=True, ex=CLAIM_TTL_S):
+            return False
+        with self._lock:
+            self._claims.add(key)
+            self.inflight += 1
+        return True
+
+    def release(self, task: PromptTask) -> None:
+        key = rk.claim(task.dataset, task.key)
+        with self._lock:
+            self._claims.discard(key)
+            self.inflight -= 1
+        try:
+            self._release(keys=[key], args=[self.token])
+        except redis.RedisError:
+            pass  # the claim expires on its own
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""
+        with self._lock:
+            claims = list(self._claims)
+            inflight = self.inflight
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for key in claims:
+                pipe.expire(key, CLAIM_TTL_S)
+            report = {
+                "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
+                "queues": self.queues, "inflight": inflight, "slots": self.backend.concurrency,
+                "paused": self.paused, "pid": os.getpid(), "at": time.time(),
+            }
+            pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=3 * HEARTBEAT_S)
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("heartbeat to Redis failed: %s", exc)
+
+    def start(self) -> None:
+        self.heartbeat()
+        threading.Thread(target=self._beat, name="draftfleet-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.r.delete(rk.worker_report(self.hostname))
+        except redis.RedisError:
+            pass
+
+    # -- pausing ---------------------------------------------------------------------------
+    def pause(self, reason: str, detail: str) -> None:
+        """Stop consuming (tasks stay queued), and try again after ``pause_s``."""
+        with self._lock:
+            if self.paused:
+                return
+            self.paused = reason
+        banner = "=" * 72
+        log.error("%s\nSTOPPED CONSUMING %s: %s\n%s\nTasks stay queued; nothing is marked failed. "
+                  "Retrying in %.0fs.\n%s", banner, ", ".join(self.queues), reason, detail, self.pause_s, banner)
+        for q in self.queues:
+            self.app.control.cancel_consumer(q, destination=[self.hostname])
+        self.heartbeat()
+        timer = threading.Timer(self.pause_s, self.resume)
+        timer.daemon = True
+        timer.start()
+
+    def resume(self) -> None:
+        with self._lock:
+            if not self.paused:
+                return
+            self.paused = None
+        log.warning("resuming consumption of %s", ", ".join(self.queues))
+        for q in self.queues:
+            self.app.control.add_consumer(q, destination=[self.hostname])
+        self.heartbeat()
+
+
+_runtime: Runtime | None = None
+
+
+def install(rt: Runtime) -> None:
+    global _runtime
+    _runtime = rt
+
+
+def runtime() -> Runtime:
+    if _runtime is None:
+        raise RuntimeError("draftfleet worker runtime not installed")
+    return _runtime
+
+
+# -- the task --------------------------------------------------------------------------------
+def _dead_letter(rt: Runtime, payload: object, reason: str, queue: str) -> str:
+    preview = msgspec.json.encode(payload).decode(errors="replace")[:2000] if payload is not None else ""
+    entry = DeadLetter(queue=queue, reason=reason, body_preview=preview, received_at=time.time(), worker=rt.hostname)
+    rt.r.lpush(rk.DEAD_LETTER, msgspec.json.encode(entry))
+    log.error("dead-lettered a message from %s: %s", queue, reason)
+    return "dead_letter"
+
+
+def _count_existing(rt: Runtime, task: PromptTask) -> str:
+    """The key is already stored: make sure it is counted (once) and acknowledge."""
+    try:
+        rt.ledger.count(rt.store.get(task.dataset, task.key))
+    except (OSError, msgspec.DecodeError) as exc:
+        log.warning("stored record %s/%s unreadable while counting: %s", task.dataset, task.key, exc)
+    return "duplicate"
+
+
+def _defer(task_self, task: PromptTask) -> str:
+    """A twin holds the claim: send the task back for later (it may die; then we run it)."""
+    later = msgspec.structs.replace(task, deferrals=task.deferrals + 1)
+    task_self.app.send_task(
+        rk.TASK_NAME, args=[msgspec.to_builtins(later)], queue=rk.queue(task.dataset),
+        task_id=task.key, countdown=min(60, 5 * 2 ** min(task.deferrals, 4)),
+    )
+    return "deferred"
+
+
+def _fail(rt: Runtime, task: PromptTask, reason: str, detail: str, attempts: int) -> str:
+    rt.store.put_failure(FailureRecord(
+        key=task.key, dataset=task.dataset, source=task.source, reason=detail[:1000], error_kind=reason,
+        attempts=attempts, backend=rt.backend.name, worker=rt.hostname, failed_at=time.time(), task=task,
+    ))
+    rt.ledger.event(task.dataset, f"failed:{reason}")
+    log.error("%s %s failed after %d attempt(s): %s", task.dataset, task.source, attempts, detail[:300])
+    return "failed"
+
+
+def _generate(rt: Runtime, task: PromptTask) -> tuple[Generation | None, int, float]:
+    """Run the backend with retries. Returns (generation or None if failed, attempts, latency)."""
+    last: Transient | None = None
+    started = time.monotonic()
+    for attempt in range(1, rt.cfg.fleet.max_attempts + 1):
+        if rt.paused:
+            raise Reject(f"worker paused: {rt.paused}", requeue=True)
+        t0 = time.monotonic()
+        try:
+            return rt.backend.generate(task), attempt, time.monotonic() - t0
+        except Halt as exc:
+            rt.pause(exc.reason, str(exc))
+            raise Reject(exc.reason, requeue=True) from None
+        except Permanent as exc:
+            _fail(rt, task, exc.reason, str(exc), attempt)
+            return None, attempt, time.monotonic() - started
+        except Transient as exc:
+            last = exc
+        except Exception as exc:  # a bug must not lose the prompt: retry, then record it
+            log.exception("unexpected error generating %s", task.source)
+            last = Transient("internal", f"{type(exc).__name__}: {exc}")
+        rt.ledger.event(task.dataset, f"retry:{last.reason}")
+        if attempt < rt.cfg.fleet.max_attempts:
+            delay = backoff_s(attempt, last.retry_after)
+            log.warning("%s %s: %s; retry %d in %.1fs", task.dataset, task.source, last, attempt, delay)
+            time.sleep(delay)
+    assert last is not None
+    if isinstance(last, ServerDown):
+        # The server is gone, not the prompt: keep the task queued for when it is back.
+        rt.pause("server_down", str(last))
+        raise Reject("server down", requeue=True)
+    _fail(rt, task, last.reason, str(last), rt.cfg.fleet.max_attempts)
+    return None, rt.cfg.fleet.max_attempts, time.monotonic() - started
+
+
+def _store(rt: Runtime, record: ResponseRecord) -> bool:
+    """Write the record, retrying while the store is unwritable; never acknowledge an unstored result."""
+    for attempt in range(1, STORE_ATTEMPTS + 1):
+        try:
+            return rt.store.put(record)
+        except StoreError as exc:
+            rt.ledger.event(record.dataset, "retry:store_error")
+            log.error("cannot store %s/%s (attempt %d/%d): %s", record.dataset, record.key, attempt, STORE_ATTEMPTS, exc)
+            if attempt == STORE_ATTEMPTS:
+                raise Reject(f"store unwritable: {exc}", requeue=True) from None
+            time.sleep(min(30.0, 2.0 ** attempt))
+    return False
+
+
+def execute(task_self, payload: object) -> str:
+    """Body of the Celery task; returns what happened (``stored``, ``duplicate``, ``failed``...)."""
+    rt = runtime()
+    queue = (task_self.request.delivery_info or {}).get("routing_key", "?")
+    try:
+        task = msgspec.convert(payload, PromptTask)
+        check_name(task.dataset)
+        check_key(task.key)
+    except (msgspec.ValidationError, StoreError) as exc:
+        return _dead_letter(rt, payload, f"not a valid task: {exc}", queue)
+    if rt.store.has(task.dataset, task.key):
+        return _count_existing(rt, task)
+    if not rt.acquire(task):
+        return _defer(task_self, task)
+    try:
+        if rt.store.has(task.dataset, task.key):  # finished by a twin between our check and claim
+            return _count_existing(rt, task)
+        gen, attempts, latency = _generate(rt, task)
+        if gen is None:
+            return "failed"
+        record = ResponseRecord(
+            key=task.key, dataset=task.dataset, source=task.source, settings_id=task.settings_id,
+            messages=task.messages, system_prompt_used=any(m.role == "system" for m in task.messages),
+            text=gen.text, reasoning=gen.reasoning, output_ids=gen.output_ids, prompt_tokens=gen.prompt_tokens,
+            completion_tokens=len(gen.output_ids), finish_reason=gen.finish_reason, truncated=gen.truncated,
+            backend=rt.backend.name, backend_kind=rt.backend.kind, model=gen.model, token_source=gen.token_source,
+            usage=gen.usage, cost_usd=gen.cost_usd, cost_source=gen.cost_source, latency_s=round(latency, 4),
+            attempts=attempts, worker=rt.hostname, created_at=time.time(),
+        )
+        if not _store(rt, record):
+            return _count_existing(rt, task)
+        rt.ledger.count(record)
+        rt.store.clear_failure(task.dataset, task.key)
+        if record.truncated:
+            rt.ledger.event(task.dataset, "truncated")
+        return "stored"
+    finally:
+        rt.release(task)
+
+
+def register(app: Celery) -> None:
+    """Register the task on ``app`` (acks late; a lost worker's message goes back to the queue)."""
+
+    @app.task(name=rk.TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+    def generate(self, payload):
+        return execute(self, payload)

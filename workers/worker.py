@@ -1,0 +1,122 @@
+"""Starting a worker process: pick the backend, load the tokenizer, run Celery's threads pool.
+
+One GPU worker per SGLang server (attached by URL, or launched here for one GPU or TP group);
+any number of cloud workers per API. Concurrency is the number of requests kept in flight:
+one Celery thread each, sharing one pooled HTTP client sized to match.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+
+from .. import redis_keys as rk
+from ..broker import connect, redact, resolve_redis_url
+from ..schemas.config import ConfigError, FleetConfig
+from ..store import Store
+from ..tokenizer import TargetTokenizer
+from .app import make_app
+from .backends import Backend
+from .cloud import CloudChat
+from .sglang import SGLangClient
+from .tasks import Runtime, install, register
+
+log = logging.getLogger("draftfleet.worker")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
+    # httpx logs every request at INFO: too loud for thousands of requests a minute.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+def cloud_api_key(cfg: FleetConfig, name: str) -> str:
+    env = cfg.cloud(name).api_key_env
+    key = os.environ.get(env, "")
+    if not key:
+        raise ConfigError(f"backend {name!r}: the environment variable {env} is not set (it must hold the API key)")
+    return key
+
+
+def worker_queues(cfg: FleetConfig, datasets: Sequence[str] | None) -> list[str]:
+    names = list(datasets) if datasets else [d.name for d in cfg.datasets]
+    for n in names:
+        cfg.dataset(n)
+    if not names:
+        raise ConfigError(f"{cfg.path}: no datasets to consume")
+    return [rk.queue(n) for n in names]
+
+
+def run_worker(
+    cfg: FleetConfig,
+    kind: str,
+    *,
+    backend_name: str | None = None,
+    url: str | None = None,
+    gpus: list[int] | None = None,
+    slots: int | None = None,
+    datasets: Sequence[str] | None = None,
+    redis_url: str | None = None,
+    name: str | None = None,
+    loglevel: str = "INFO",
+    ready_timeout_s: float = 600.0,
+) -> None:
+    """Run a worker in the foreground until it is stopped (SIGTERM: warm shutdown)."""
+    setup_logging(loglevel)
+    broker_url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
+    queues = worker_queues(cfg, datasets)
+    tokenizer = TargetTokenizer.from_config(cfg.fleet)
+    server = None
+    backend: Backend
+    if kind == "gpu":
+        if cfg.sglang is None:
+            raise ConfigError(f"{cfg.path}: no [backends.sglang] table")
+        if gpus is not None:
+            from .launcher import SGLangServer, port_for
+
+            if cfg.sglang.launch is None:
+                raise ConfigError(f"{cfg.path}: --gpu needs [backends.sglang.launch] (model_path, tp, port_base)")
+            server = SGLangServer(cfg.sglang.launch, gpus, port=port_for(cfg.sglang.launch, gpus))
+            server.start(wait=True)
+            server.supervise()
+            url = server.url
+        if url is None:
+            if not cfg.sglang.urls:
+                raise ConfigError(f"{cfg.path}: backends.sglang.urls is empty: pass --url or --gpu")
+            url = cfg.sglang.urls[0]
+        n = slots or cfg.sglang.inflight
+        label = f"gpu{'-'.join(map(str, gpus))}" if gpus is not None else f"sglang-{url.rsplit(':', 1)[-1].strip('/')}"
+        backend = SGLangClient(url, cfg.sglang, tokenizer, inflight=n)
+        log.info("waiting for SGLang at %s", url)
+        backend.wait_ready(ready_timeout_s)
+        pause_s = 30.0
+    elif kind == "cloud":
+        if not backend_name:
+            raise ConfigError("a cloud worker needs --backend NAME")
+        cb = cfg.cloud(backend_name)
+        n = slots or cb.concurrency
+        backend = CloudChat(backend_name, cb, tokenizer, cloud_api_key(cfg, backend_name))
+        label = f"cloud-{backend_name}"
+        pause_s = cb.pause_s
+    else:
+        raise ConfigError(f"unknown worker kind {kind!r}")
+    hostname = f"{name or label}@{socket.gethostname()}"
+    app = make_app(broker_url, cfg.fleet.visibility_timeout_s)
+    register(app)
+    rt = Runtime(app, cfg, Store(cfg.fleet.store), connect(broker_url), backend, hostname, queues, pause_s)
+    install(rt)
+    rt.start()
+    log.info("%s worker %s: %d in flight, queues %s, broker %s", kind, hostname, n, ",".join(queues), redact(broker_url))
+    try:
+        app.worker_main([
+            "worker", "-P", "threads", "-c", str(n), "-Q", ",".join(queues), "-n", hostname,
+            "-l", loglevel.upper(), "-E", "--without-gossip", "--without-mingle",
+        ])
+    finally:
+        rt.stop()
+        backend.close()
+        if server is not None:
+            server.stop()
