@@ -1,0 +1,456 @@
+"""Launch and supervise a local SGLang server for one GPU worker.
+
+``draftfleet worker gpu --gpu 0`` (or ``--gpu 0,1`` for a tensor-parallel group) runs its own
+``python -m sglang.launch_server`` instead of attaching to a ``--url``. The server runs in its
+own session (process group) so that a stop or a restart reaches SGLang's scheduler and
+detokenizer subprocesses too, which otherwise keep holding GPU memory. Its output is appended to
+a log file; errors quote that file's last lines. Environment values are never logged, and the
+values of secret-looking flags (``--api-key`` ...) are masked in logs and errors.
+
+GPU indices are physical, as ``nvidia-smi`` numbers them: the child gets
+``CUDA_VISIBLE_DEVICES`` set to its group (and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` unless the
+environment sets an order). Linux only, like SGLang itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from draftfleet.schemas.config import SGLangLaunch
+
+log = logging.getLogger("draftfleet.launcher")
+
+TAIL_LINES = 30
+POLL_S = 0.25
+MAX_BACKOFF_S = 60.0
+# Flags whose value is a credential, e.g. SGLang's --api-key and --admin-api-key.
+_SECRET_FLAG = re.compile(r"(?:^|[-_])(?:key|token|secret|password)$", re.IGNORECASE)
+
+
+class LaunchError(RuntimeError):
+    """The SGLang server could not be started (or restarted); the message names its log file."""
+
+
+def gpu_groups(spec: str, tp: int) -> list[list[int]]:
+    """Split a GPU spec into consecutive groups of ``tp`` GPUs, one SGLang server each.
+
+    ``spec`` is a list of indices and inclusive ranges (``"0,1,2,3"``, ``"0-7"``, ``"0-3,6,7"``)
+    or ``"all"``: the indices in ``CUDA_VISIBLE_DEVICES`` when it is set, else every GPU that
+    ``nvidia-smi -L`` lists. Raises ``ValueError`` with the reason on anything else.
+    """
+    if tp < 1:
+        raise ValueError(f"tensor parallelism must be at least 1, got {tp}")
+    gpus = _visible_gpus() if spec.strip().lower() == "all" else _parse_indices(spec)
+    if len(set(gpus)) != len(gpus):
+        dup = sorted({g for g in gpus if gpus.count(g) > 1})
+        raise ValueError(f"GPU spec {spec!r} names GPU(s) {dup} more than once")
+    if len(gpus) % tp:
+        raise ValueError(f"{len(gpus)} GPU(s) {gpus} cannot be split into groups of tp={tp}")
+    return [gpus[i : i + tp] for i in range(0, len(gpus), tp)]
+
+
+def port_for(launch: SGLangLaunch, group: list[int]) -> int:
+    """``port_base`` + the group's first GPU index: distinct and stable for every server on a host."""
+    return launch.port_base + group[0]
+
+
+def _parse_indices(spec: str) -> list[int]:
+    gpus: list[int] = []
+    for part in (p.strip() for p in spec.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not m:
+            raise ValueError(f"GPU spec {spec!r}: {part!r} is not an index or a range like 0-7 (or use 'all')")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise ValueError(f"GPU spec {spec!r}: range {part!r} runs backwards")
+        gpus.extend(range(lo, hi + 1))
+    return gpus
+
+
+def _visible_gpus() -> list[int]:
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        if not cvd.strip():
+            raise ValueError("--gpu all: CUDA_VISIBLE_DEVICES is empty, so no GPU is visible")
+        try:
+            return _parse_indices(cvd)
+        except ValueError:
+            raise ValueError(
+                f"--gpu all: CUDA_VISIBLE_DEVICES={cvd!r} is not a list of GPU indices; pass --gpu 0,1,... instead"
+            ) from None
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except FileNotFoundError:
+        raise ValueError("--gpu all: nvidia-smi not found, cannot count GPUs; pass --gpu 0,1,... instead") from None
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"--gpu all: nvidia-smi -L failed ({exc}); pass --gpu 0,1,... instead") from None
+    count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    if not count:
+        raise ValueError("--gpu all: nvidia-smi -L lists no GPU")
+    return list(range(count))
+
+
+def _client_host(host: str) -> str:
+    """Where to connect to a server bound to ``host`` (a wildcard address means this machine)."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def _accepts_connections(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _secret_values(args: list[str]) -> list[str]:
+    """Values of credential flags in ``args`` (``--api-key X`` or ``--api-key=X``)."""
+    secrets: list[str] = []
+    for i, arg in enumerate(args):
+        if not arg.startswith("-"):
+            continue
+        name, eq, value = arg.lstrip("-").partition("=")
+        if not _SECRET_FLAG.search(name):
+            continue
+        if eq:
+            secrets.append(value)
+        elif i + 1 < len(args):
+            secrets.append(args[i + 1])
+    return [s for s in secrets if s]
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid``, read from /proc."""
+    members: list[int] = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) > 2 and fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _killpg(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class SGLangServer:
+    """Launches ``python -m sglang.launch_server`` for one GPU (or TP group), waits until healthy,
+    restarts it if it dies, stops it on shutdown.
+
+    Use as a context manager (start, wait until healthy, supervise; stop on exit) or call
+    ``start``/``supervise``/``stop``. The supervisor checks every ``health_interval_s``; a server
+    that exited, or failed ``unhealthy_after`` health checks in a row, is killed with its whole
+    process group and started again after a backoff (``restart_backoff_s``, doubling up to
+    60 s per failed attempt), at most ``max_restarts`` times over the object's life. After each
+    restart that became healthy it calls ``on_restart(restarts)``; when it gives up it calls
+    ``on_give_up(reason)`` and leaves the server stopped. Callbacks run on the supervisor thread.
+    """
+
+    def __init__(
+        self,
+        launch: SGLangLaunch,
+        gpus: list[int],
+        *,
+        port: int | None = None,
+        log_path: Path | None = None,
+        health_interval_s: float = 5.0,
+        max_restarts: int = 10,
+        env: dict[str, str] | None = None,
+        unhealthy_after: int = 3,
+        health_timeout_s: float = 10.0,
+        restart_backoff_s: float = 1.0,
+    ) -> None:
+        if not gpus:
+            raise ValueError("an SGLang server needs at least one GPU")
+        if len(gpus) != launch.tp:
+            raise ValueError(f"GPU group {gpus} has {len(gpus)} GPU(s) but the launch config says tp={launch.tp}")
+        if env and "CUDA_VISIBLE_DEVICES" in env:
+            raise ValueError("pass the GPUs as `gpus`, not as CUDA_VISIBLE_DEVICES in `env`")
+        self.launch = launch
+        self.gpus = list(gpus)
+        self.port = port if port is not None else port_for(launch, self.gpus)
+        host = _client_host(launch.host)
+        self.url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        gpu_tag = "_".join(map(str, self.gpus))
+        self.log_path = log_path or Path(tempfile.gettempdir()) / "draftfleet" / f"sglang-gpu{gpu_tag}-port{self.port}.log"
+        self.health_interval_s = health_interval_s
+        self.max_restarts = max_restarts
+        self.unhealthy_after = unhealthy_after
+        self.restart_backoff_s = restart_backoff_s
+        self.restarts = 0
+        self.on_restart: Callable[[int], None] | None = None
+        self.on_give_up: Callable[[str], None] | None = None
+        self._env = dict(env or {})
+        self._secrets = _secret_values(launch.extra_args)
+        self._health_path = "/health_generate"
+        self._health_timeout_s = health_timeout_s
+        self._http: httpx.Client | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"<SGLangServer gpus={self.gpus} url={self.url} pid={self.pid}>"
+
+    @property
+    def command(self) -> list[str]:
+        """The command line that starts the server."""
+        launch = self.launch
+        return [
+            launch.python or sys.executable, "-m", "sglang.launch_server",
+            "--model-path", launch.model_path,
+            "--host", launch.host,
+            "--port", str(self.port),
+            "--tp", str(launch.tp),
+            *launch.extra_args,
+        ]  # fmt: skip
+
+    @property
+    def pid(self) -> int | None:
+        """The running server's pid (also its process group id), or None."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def start(self, wait: bool = True) -> None:
+        """Spawn the server; with ``wait``, block until it is healthy (see ``wait_healthy``).
+
+        Raises ``LaunchError`` if the port is taken, or if the server exits or is not healthy
+        within ``launch.startup_timeout_s``; a server that did not come up is stopped.
+        """
+        if self.pid is not None:
+            raise RuntimeError(f"{self!r} is already running")
+        self._stopping.clear()
+        if self._http is None:
+            self._http = httpx.Client(timeout=self._health_timeout_s, trust_env=False)
+        self._spawn()
+        if wait:
+            try:
+                self.wait_healthy(self.launch.startup_timeout_s)
+            except LaunchError:
+                self.stop(timeout=10.0)
+                raise
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Block until the server answers its health check, or raise ``LaunchError`` (it exited,
+        ``timeout`` seconds passed, or ``stop`` was called meanwhile)."""
+        proc = self._proc
+        if proc is None:
+            raise RuntimeError(f"{self!r} was never started")
+        deadline = time.monotonic() + timeout
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise LaunchError(self._describe_failure(f"exited with code {code} during startup"))
+            if self._probe():
+                log.info("SGLang server on GPU(s) %s is healthy at %s (pid %d)", self.gpus, self.url, proc.pid)
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LaunchError(self._describe_failure(f"was not healthy within {timeout:g}s"))
+            if self._stopping.wait(min(POLL_S, remaining)):
+                raise LaunchError(self._describe_failure("was stopped before it became healthy"))
+
+    def healthy(self) -> bool:
+        """Whether the server process runs and answers its health check now."""
+        return self.pid is not None and self._probe()
+
+    def supervise(self) -> None:
+        """Start the supervisor daemon thread (once; later calls do nothing while it runs)."""
+        if self._proc is None:
+            raise RuntimeError(f"{self!r} was never started")
+        if self._supervisor is not None and self._supervisor.is_alive():
+            return
+        self._supervisor = threading.Thread(target=self._watch, name=f"sglang-supervisor-{self.port}", daemon=True)
+        self._supervisor.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop supervising, SIGTERM the server's process group, SIGKILL what is left after
+        ``timeout`` seconds. Idempotent."""
+        self._stopping.set()
+        supervisor = self._supervisor
+        if supervisor is not None and supervisor is not threading.current_thread():
+            supervisor.join(timeout=timeout)
+        self._terminate(timeout=timeout)
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def __enter__(self) -> SGLangServer:
+        self.start()
+        self.supervise()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _spawn(self) -> None:
+        with self._lock:
+            if self._stopping.is_set():
+                raise LaunchError(f"SGLang server on GPU(s) {self.gpus} is stopping; not starting it")
+            if _accepts_connections(_client_host(self.launch.host), self.port):
+                raise LaunchError(
+                    f"port {self.port} is already in use, so the SGLang server for GPU(s) {self.gpus} cannot bind it "
+                    f"(a server left behind by a killed worker? `ss -ltnp 'sport = :{self.port}'` shows its pid)"
+                )
+            env = {**os.environ, **self._env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))}
+            # Make indices mean what nvidia-smi shows; CUDA's default order is fastest-first.
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            shown = self._redact(shlex.join(self.command))
+            with open(self.log_path, "ab") as logf:
+                self._log_offset = logf.tell()
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                logf.write(f"==== draftfleet {stamp}: GPU(s) {self.gpus}: {shown}\n".encode())
+                logf.flush()
+                self._proc = subprocess.Popen(
+                    self.command, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                    env=env, start_new_session=True,
+                )  # fmt: skip
+            log.info(
+                "started SGLang server on GPU(s) %s at %s (pid %d): %s; log: %s",
+                self.gpus, self.url, self._proc.pid, shown, self.log_path,
+            )  # fmt: skip
+
+    def _terminate(self, timeout: float) -> None:
+        """SIGTERM the current server's process group, SIGKILL it after ``timeout``, reap the leader."""
+        with self._lock:
+            proc = self._proc
+            if proc is None:
+                return
+            pgid = proc.pid  # start_new_session made the server its group's leader
+            if proc.poll() is None or _group_members(pgid):
+                _killpg(pgid, signal.SIGTERM)
+                deadline = time.monotonic() + timeout
+                while (proc.poll() is None or _group_members(pgid)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if proc.poll() is None or _group_members(pgid):
+                    log.warning("SGLang server on GPU(s) %s ignored SIGTERM for %gs; killing it", self.gpus, timeout)
+                    _killpg(pgid, signal.SIGKILL)
+                    proc.wait()
+                    deadline = time.monotonic() + 5.0
+                    while _group_members(pgid) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                log.info("stopped SGLang server on GPU(s) %s (pid %d, exit code %s)", self.gpus, pgid, proc.returncode)
+
+    def _probe(self) -> bool:
+        http = self._http
+        if http is None:
+            return False
+        try:
+            r = http.get(self.url + self._health_path)
+            if r.status_code == 404 and self._health_path == "/health_generate":
+                self._health_path = "/health"  # a server without /health_generate
+                r = http.get(self.url + self._health_path)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    def _watch(self) -> None:
+        failures = 0
+        while not self._stopping.wait(self.health_interval_s):
+            proc = self._proc
+            assert proc is not None
+            code = proc.poll()
+            if code is None:
+                if self._probe():
+                    failures = 0
+                    continue
+                failures += 1
+                if failures < self.unhealthy_after:
+                    continue
+                reason = f"(pid {proc.pid}) failed {failures} health checks in a row"
+            else:
+                reason = f"(pid {proc.pid}) exited with code {code}"
+            failures = 0
+            if not self._restart(reason):
+                return
+
+    def _restart(self, reason: str) -> bool:
+        """Replace the server until one is healthy; False when stopped or out of restarts."""
+        attempt = 0
+        while not self._stopping.is_set():
+            if self.restarts >= self.max_restarts:
+                self._terminate(timeout=30.0)
+                message = f"SGLang server on GPU(s) {self.gpus} {reason}; giving up after {self.restarts} restart(s)"
+                log.error("%s (log: %s)", message, self.log_path)
+                self._call(self.on_give_up, message)
+                return False
+            self.restarts += 1
+            delay = min(MAX_BACKOFF_S, self.restart_backoff_s * 2**attempt)
+            log.warning(
+                "SGLang server on GPU(s) %s %s; restart %d/%d in %.1fs (log: %s)",
+                self.gpus, reason, self.restarts, self.max_restarts, delay, self.log_path,
+            )  # fmt: skip
+            self._terminate(timeout=30.0)
+            if self._stopping.wait(delay):
+                return False
+            try:
+                self._spawn()
+                self.wait_healthy(self.launch.startup_timeout_s)
+            except LaunchError as exc:
+                if self._stopping.is_set():
+                    return False
+                log.error("restart %d failed: %s", self.restarts, exc)
+                reason = "did not come back"
+                attempt += 1
+                continue
+            self._call(self.on_restart, self.restarts)
+            return True
+        return False
+
+    def _call(self, callback: Callable[..., None] | None, arg: object) -> None:
+        if callback is None:
+            return
+        try:
+            callback(arg)
+        except Exception:
+            log.exception("SGLang supervisor callback %r failed", callback)
+
+    def _describe_failure(self, what: str) -> str:
+        return f"SGLang server on GPU(s) {self.gpus} {what}; log: {self.log_path}\n{self._log_tail()}"
+
+    def _log_tail(self) -> str:
+        """The last lines this run wrote to the log, secrets masked."""
+        try:
+            with open(self.log_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(self._log_offset, size - 64 * 1024))
+                lines = f.read().decode("utf-8", "replace").splitlines()[-TAIL_LINES:]
+        except OSError as exc:
+            return f"(cannot read the log: {exc.strerror})"
+        return self._redact("\n".join("    " + line for line in lines))
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
