@@ -1,0 +1,348 @@
+"""Dataset readers: JSONL and parquet rows into prompts, every unusable row into a rejection.
+
+A run over tens of thousands of rows must neither die on one bad line nor quietly alter a
+prompt. ``read_prompts`` yields a ``PromptRow`` for each usable row and a ``Rejection`` for each
+unusable one, whose message names file, line and field; the rejected line is kept verbatim
+(``raw``, or ``raw_b64`` when it is not UTF-8) so that nothing the user gave is lost.
+JSONL is read in binary one line at a time and parquet one record batch at a time, so memory
+stays bounded by the longest line or one batch, not the file.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from draftfleet.schemas.config import DatasetConfig, FieldMap
+from draftfleet.schemas.records import Message, QuarantineEntry
+
+UTF8_BOM = b"\xef\xbb\xbf"
+PARQUET_BATCH_ROWS = 1024
+
+# ShareGPT ``from`` values and the chat roles they stand for.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+class PromptRow(msgspec.Struct, frozen=True):
+    """One usable row: the system and user turns before the first assistant turn."""
+
+    source: str
+    messages: list[Message]
+    row_id: str | None
+
+
+class Rejection(msgspec.Struct, frozen=True):
+    """One unusable row (or a whole unusable file), ready for the quarantine."""
+
+    entry: QuarantineEntry
+
+
+class _Reject(Exception):
+    """Raised by the shape parsers; the reader turns it into a ``Rejection``."""
+
+    def __init__(self, kind: str, field: str | None, detail: str) -> None:
+        super().__init__(detail)
+        self.kind, self.field, self.detail = kind, field, detail
+
+
+def read_prompts(ds: DatasetConfig, *, max_line_bytes: int = 4 * 1024 * 1024) -> Iterator[PromptRow | Rejection]:
+    """Yield each row of ``ds.path`` as a ``PromptRow`` or a ``Rejection``, in file order; never raises
+    for bad data. A file that cannot be read at all yields one rejection with ``line`` None."""
+    if ds.file_format == "parquet":
+        yield from _read_parquet(ds)
+    else:
+        yield from _read_jsonl(ds, max_line_bytes)
+
+
+def count_rows(ds: DatasetConfig) -> int | None:
+    """A cheap total for a progress bar: lines of a JSONL file (blank ones included) or a parquet
+    file's row count from its footer; None when the file cannot be read."""
+    try:
+        if ds.file_format == "parquet":
+            with pq.ParquetFile(ds.path) as pf:
+                return pf.metadata.num_rows
+        lines, last = 0, b"\n"
+        with open(ds.path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+        return lines + (last != b"\n")
+    except (OSError, pa.ArrowException):
+        return None
+
+
+def _read_jsonl(ds: DatasetConfig, max_line_bytes: int) -> Iterator[PromptRow | Rejection]:
+    name = Path(ds.path).name
+    try:
+        f = open(ds.path, "rb")
+    except OSError as exc:
+        yield _rejection(ds.path, name, None, "unreadable_file", f"cannot read {ds.path}: {exc.strerror or exc}")
+        return
+    lineno, content_lines = 0, 0
+    with f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if line.endswith(b"\n"):
+                    line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
+                if lineno == 1 and line.startswith(UTF8_BOM):
+                    line = line[len(UTF8_BOM):]
+                where = f"{name}:{lineno}"
+                if len(line) > max_line_bytes:
+                    content_lines += 1
+                    detail = f"line is {len(line)} bytes, over the limit of {max_line_bytes} (max_line_bytes)"
+                    yield _rejection(ds.path, where, lineno, "line_too_long", detail, raw=line)
+                    continue
+                if not line.strip():
+                    continue
+                content_lines += 1
+                yield _jsonl_row(line, ds, where, lineno)
+        except OSError as exc:
+            where = f"{name}:{lineno + 1}"
+            yield _rejection(ds.path, where, lineno + 1, "unreadable_file", f"read failed: {exc.strerror or exc}")
+            return
+    if not content_lines:
+        yield _rejection(ds.path, name, None, "empty_file", "no rows: the file is empty or holds only blank lines")
+
+
+def _jsonl_row(line: bytes, ds: DatasetConfig, where: str, lineno: int) -> PromptRow | Rejection:
+    try:
+        row = msgspec.json.decode(line)
+    except msgspec.DecodeError as exc:
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as uexc:
+            detail = f"not valid UTF-8 at byte {uexc.start} ({uexc.reason}); the line is kept as base64"
+            return _rejection(ds.path, where, lineno, "bad_utf8", detail, raw=line)
+        # msgspec gives no position when the input ends early: the position is then the end.
+        position = "" if "byte" in str(exc) else f" (byte {len(line)})"
+        return _rejection(ds.path, where, lineno, "bad_json", f"invalid JSON: {exc}{position}", raw=line)
+    except RecursionError:
+        return _rejection(ds.path, where, lineno, "bad_json", "invalid JSON: nested too deeply to decode", raw=line)
+    if not isinstance(row, dict):
+        detail = f"expected a JSON object per line, got {_type(row)}"
+        return _rejection(ds.path, where, lineno, "not_object", detail, raw=line)
+    try:
+        return _prompt_row(row, ds.fields, where)
+    except _Reject as r:
+        return _rejection(ds.path, where, lineno, r.kind, r.detail, field=r.field, raw=line)
+
+
+def _read_parquet(ds: DatasetConfig) -> Iterator[PromptRow | Rejection]:
+    name = Path(ds.path).name
+    try:  # Python's own open gives the plain reason (missing, a directory, permission denied).
+        with open(ds.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        yield _rejection(ds.path, name, None, "unreadable_file", f"cannot read {ds.path}: {exc.strerror or exc}")
+        return
+    if size == 0:
+        yield _rejection(ds.path, name, None, "empty_file", "no rows: the file is empty (0 bytes)")
+        return
+    try:
+        pf = pq.ParquetFile(ds.path)
+    except (OSError, pa.ArrowException) as exc:
+        yield _rejection(ds.path, name, None, "bad_parquet", f"not a readable parquet file: {exc}")
+        return
+    with pf:
+        fm, have = ds.fields, pf.schema_arrow.names
+        shapes = [col for _, col in _shapes(fm)]
+        mapped = [c for c in (fm.messages, fm.prompt, fm.instruction, fm.input, fm.system, fm.id) if c]
+        lacking = [c for c in mapped if c not in have]
+        if lacking or not any(c in have for c in shapes):
+            problem = f"the field map names {_names(lacking)}" if lacking else f"no column {_names(shapes)}"
+            detail = f"no usable column: {problem}; the file has {_names(have)}"
+            yield _rejection(ds.path, name, None, "parquet_columns", detail)
+            return
+        if pf.metadata.num_rows == 0:
+            yield _rejection(ds.path, name, None, "empty_file", "no rows: the parquet file holds 0 rows")
+            return
+        extra = [fm.input or "input", fm.system or "system", fm.id or "id"]
+        columns = [c for c in have if c in shapes or c in extra]
+        index = 0
+        try:
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+                for row in batch.to_pylist():
+                    where = f"{name}:row{index}"
+                    try:
+                        yield _prompt_row(row, fm, where)
+                    except _Reject as r:
+                        raw = msgspec.json.encode(row, enc_hook=str)
+                        yield _rejection(ds.path, where, index, r.kind, r.detail, field=r.field, raw=raw)
+                    index += 1
+        except (OSError, pa.ArrowException) as exc:
+            detail = f"corrupt parquet: rows from {index} on are unreadable: {exc}"
+            yield _rejection(ds.path, name, None, "bad_parquet", detail)
+
+
+def _shapes(fields: FieldMap) -> list[tuple[str, str]]:
+    """(shape, column) pairs to try in order: the field map's own, else the auto-detected defaults."""
+    named = (("messages", fields.messages), ("prompt", fields.prompt), ("instruction", fields.instruction))
+    return [(shape, col) for shape, col in named if col] or [
+        ("messages", "messages"),
+        ("messages", "conversations"),
+        ("prompt", "prompt"),
+        ("instruction", "instruction"),
+    ]
+
+
+def _prompt_row(row: dict[str, Any], fields: FieldMap, where: str) -> PromptRow:
+    """Build the prompt from the first shape whose column is present and not null."""
+    shapes = _shapes(fields)
+    for shape, col in shapes:
+        value = row.get(col)
+        if value is None:
+            continue
+        if shape == "messages":
+            messages = _turns(value, col)
+        else:
+            text = _instruction(row, col, fields) if shape == "instruction" else _string(value, col)
+            if not text.strip():
+                raise _Reject("empty_prompt", col, "the prompt is empty or whitespace only")
+            system = _optional_string(row, fields.system or "system", mapped=bool(fields.system))
+            messages = ([Message("system", system)] if system else []) + [Message("user", text)]
+        return PromptRow(source=where, messages=messages, row_id=_row_id(row, fields))
+    cols = [col for _, col in shapes]
+    detail = f"no prompt found: looked for {_names(cols)}; the row has {_names(list(row))}"
+    raise _Reject("missing_field", cols[0] if len(cols) == 1 else None, detail)
+
+
+def _turns(value: Any, col: str) -> list[Message]:
+    """The system and user turns before the first assistant turn of an OpenAI or ShareGPT list."""
+    if not isinstance(value, list):
+        raise _Reject("wrong_type", col, f"expected a list of turns, got {_type(value)}")
+    messages: list[Message] = []
+    for i, turn in enumerate(value):
+        at = f"{col}[{i}]"
+        if not isinstance(turn, dict):
+            raise _Reject("wrong_type", at, f"expected a turn object, got {_type(turn)}")
+        if turn.get("role") is not None:
+            role_key, text_key = "role", "content"
+        elif turn.get("from") is not None:
+            role_key, text_key = "from", "value"
+        else:
+            detail = "expected 'role' and 'content' (OpenAI) or 'from' and 'value' (ShareGPT)"
+            raise _Reject("missing_field", at, detail)
+        given = turn[role_key]
+        if not isinstance(given, str):
+            raise _Reject("wrong_type", f"{at}.{role_key}", f"expected a string, got {_type(given)}")
+        role = SHAREGPT_ROLES.get(given, given) if role_key == "from" else given
+        if role == "assistant":
+            break
+        if role not in ("system", "user"):
+            detail = f"role {given!r} before the first assistant turn: a prompt holds only system and user turns"
+            raise _Reject("unsupported_role", f"{at}.{role_key}", detail)
+        content = _content(turn.get(text_key), f"{at}.{text_key}")
+        if role == "user" and not content.strip():
+            raise _Reject("empty_prompt", f"{at}.{text_key}", "the user turn is empty or whitespace only")
+        messages.append(Message(role, content))
+    if not any(m.role == "user" for m in messages):
+        raise _Reject("empty_prompt", col, "no user turn before the first assistant turn")
+    return messages
+
+
+def _content(value: Any, field: str) -> str:
+    """A turn's text: a string as is, or a list of text parts joined by newlines (as vLLM does)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _Reject("wrong_type", field, f"expected a string or a list of content parts, got {_type(value)}")
+    texts = []
+    for j, part in enumerate(value):
+        at = f"{field}[{j}]"
+        if not isinstance(part, dict):
+            raise _Reject("wrong_type", at, f"expected a content part object, got {_type(part)}")
+        kind = part.get("type")
+        if kind is None:
+            raise _Reject("missing_field", f"{at}.type", "a content part needs a 'type'")
+        if kind != "text":
+            raise _Reject("unsupported_content", at, f"content part of type {kind!r}: only text parts are supported")
+        texts.append(_string(part.get("text"), f"{at}.text"))
+    return "\n".join(texts)
+
+
+def _instruction(row: dict[str, Any], col: str, fields: FieldMap) -> str:
+    """Alpaca style: ``instruction`` then, when non-empty, a blank line and ``input``."""
+    instruction = _string(row[col], col)
+    extra = _optional_string(row, fields.input or "input", mapped=bool(fields.input))
+    return f"{instruction}\n\n{extra}" if extra else instruction
+
+
+def _row_id(row: dict[str, Any], fields: FieldMap) -> str | None:
+    """The row's own id (a string or an integer); a mapped id column must hold one."""
+    col = fields.id or "id"
+    if col not in row:
+        if fields.id:
+            raise _Reject("missing_field", col, f"the field map names column {col!r}, which this row lacks")
+        return None
+    value = row[col]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if fields.id:
+        raise _Reject("wrong_type", col, f"expected a string or integer id, got {_type(value)}")
+    return None
+
+
+def _string(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise _Reject("wrong_type", field, f"expected a string, got {_type(value)}")
+    return value
+
+
+def _optional_string(row: dict[str, Any], col: str, *, mapped: bool) -> str | None:
+    """An optional string column: None when null or absent (absent is an error only when mapped)."""
+    if col not in row:
+        if mapped:
+            raise _Reject("missing_field", col, f"the field map names column {col!r}, which this row lacks")
+        return None
+    return None if row[col] is None else _string(row[col], col)
+
+
+def _type(value: Any) -> str:
+    return {type(None): "null", str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _names(cols: list[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(c) for c in cols[:limit])
+    return (shown + f", ... ({len(cols)} in all)") if len(cols) > limit else (shown or "none")
+
+
+def _rejection(
+    path: str,
+    where: str,
+    line: int | None,
+    kind: str,
+    detail: str,
+    *,
+    field: str | None = None,
+    raw: bytes | None = None,
+) -> Rejection:
+    """A quarantine entry; ``raw`` is kept as text when it is UTF-8, else as base64."""
+    text = b64 = None
+    if raw is not None:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            b64 = base64.b64encode(raw).decode("ascii")
+    message = f"{where}: field '{field}': {detail}" if field else f"{where}: {detail}"
+    entry = QuarantineEntry(
+        file=path, line=line, field=field, kind=kind, message=message, raw=text, raw_b64=b64, at=time.time()
+    )
+    return Rejection(entry)
