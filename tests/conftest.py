@@ -183,8 +183,9 @@ class Workers:
                 proc.kill()
                 proc.wait()
 
-    def logs(self) -> str:
-        return "\n".join(Path(p.log_path).read_text(errors="replace")[-4000:] for p in self.procs)
+    def logs(self, tail: int | None = 4000) -> str:
+        texts = (Path(p.log_path).read_text(errors="replace") for p in self.procs)
+        return "\n".join(t[-tail:] if tail else t for t in texts)
 
     def stop_all(self) -> None:
         for p in self.procs:
