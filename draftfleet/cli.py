@@ -119,9 +119,10 @@ def emulator_config(args):
     return EmulatorConfig(tokenizer=args.tokenizer, **fields)
 
 
-EMULATOR_FLAGS = ("model", "seed", "length", "single_stream_tps", "ceiling_tps", "max_running", "time_scale",
+EMULATOR_FLAGS = ("model", "seed", "length", "reasoning_length", "single_stream_tps", "ceiling_tps", "max_running", "time_scale",
                   "rate_429", "rate_500", "rate_503", "rate_hang", "rate_cut", "rate_402", "rate_200_error",
-                  "rate_abort", "retry_after_s", "hang_s", "price_input_per_mtok", "price_output_per_mtok")
+                  "rate_abort", "retry_after_s", "hang_s", "price_input_per_mtok", "price_output_per_mtok",
+                  "ttft_s", "reasoning_rate")
 
 
 def cmd_emulator(args) -> int:
@@ -181,6 +182,18 @@ def cmd_failures(args) -> int:
     return 0
 
 
+# -- flower ------------------------------------------------------------------------------------
+def cmd_flower(args) -> int:
+    from .broker import resolve_redis_url
+    from .monitor import basic_auth_from_env, run_flower
+
+    auth = None if args.no_auth else basic_auth_from_env(args.basic_auth_env)
+    cfg = _config(args)
+    url = resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store)
+    run_flower(cfg, url, basic_auth=auth, address=args.address, port=args.port, allow_control=args.allow_control)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftfleet", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -221,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model")
     sp.add_argument("--seed", type=int)
     sp.add_argument("--length", help="completion length distribution: lognormal:MEAN:SIGMA, uniform:LO:HI, fixed:N")
+    sp.add_argument("--reasoning-length", help="reasoning length distribution (with --reasoning-rate)")
     for flag in EMULATOR_FLAGS[4:]:
         sp.add_argument("--" + flag.replace("_", "-"), type=float if flag != "max_running" else int, dest=flag)
     sp.set_defaults(func=cmd_emulator)
@@ -242,6 +256,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dataset", "-d", action="append")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_failures)
+
+    sp = sub.add_parser("flower", help="Flower on the fleet's broker: basic auth required, Prometheus /metrics")
+    common(sp)
+    sp.add_argument("--address", default="127.0.0.1", help="address to bind (default loopback; /metrics is never authenticated)")
+    sp.add_argument("--port", type=int, default=5555)
+    sp.add_argument("--basic-auth-env", default="FLOWER_BASIC_AUTH", metavar="NAME",
+                    help="environment variable holding user:password, several separated by commas (default FLOWER_BASIC_AUTH)")
+    sp.add_argument("--no-auth", action="store_true", help="run without authentication: anyone who reaches the port sees the fleet")
+    sp.add_argument("--allow-control", action="store_true",
+                    help="enable Flower's control API (shutdown, consumers, revoke, send task); off by default")
+    sp.set_defaults(func=cmd_flower)
     return p
 
 

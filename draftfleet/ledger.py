@@ -1,52 +1,130 @@
-"""Fast counters in Redis, updated exactly once per stored key.
+"""Fast counters and budget admission in Redis; the store stays the truth.
 
-Counting is idempotent: a Lua script adds the key to the dataset's counted set and bumps the
+Counting is idempotent: one Lua script adds the key to the dataset's counted set and bumps the
 totals only if it was not there, so a redelivered task, or a worker that stored a record and died
-before counting it (the next copy finds the record and counts it), never counts twice.
-The store stays the truth: the reconciler rebuilds these from it.
+before counting it (the next copy finds the record and counts it), never counts twice. The same
+script releases the key's budget reservation, so committed and reserved tokens move together.
+
+Budget admission: before generating, a task reserves the dataset's expected tokens per response.
+It is admitted while ``committed + reserved + expected/2 <= budget``; the first refusal closes the
+dataset (its queue is purged, later tasks are skipped). The expected final total is then within
+half a response of the budget, plus the spread of what was in flight.
 """
 
 from __future__ import annotations
+
+import time
 
 import redis
 
 from . import redis_keys as rk
 from .schemas.records import ResponseRecord
 
+RATE_BUCKET_S = 10
+RATE_KEEP_S = 900
+
 _COUNT_ONCE = """
+redis.call('HDEL', KEYS[5], ARGV[1])
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[2], 'responses', 1)
-redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[2])
-redis.call('HINCRBY', KEYS[2], 'completion_tokens', ARGV[3])
-redis.call('HINCRBY', KEYS[2], 'cost_micro_usd', ARGV[4])
+for _, h in ipairs({KEYS[2], KEYS[4]}) do
+  redis.call('HINCRBY', h, 'responses', 1)
+  redis.call('HINCRBY', h, 'prompt_tokens', ARGV[2])
+  redis.call('HINCRBY', h, 'completion_tokens', ARGV[3])
+  redis.call('HINCRBY', h, 'cost_micro_usd', ARGV[4])
+end
 redis.call('HINCRBY', KEYS[3], 'cost_micro_usd', ARGV[4])
+redis.call('HINCRBY', KEYS[6], 'completion_tokens', ARGV[3])
+redis.call('HINCRBY', KEYS[6], 'responses', 1)
+redis.call('EXPIRE', KEYS[6], ARGV[5])
 return 1
 """
+
+_ADMIT = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+local committed = tonumber(redis.call('HGET', KEYS[1], 'completion_tokens') or '0')
+local reserved = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[2])) do reserved = reserved + tonumber(v) end
+local budget = tonumber(ARGV[2])
+local expect = tonumber(ARGV[3])
+if committed + reserved + expect / 2 > budget then
+  redis.call('SET', KEYS[3], ARGV[2])
+  return 0
+end
+redis.call('HSET', KEYS[2], ARGV[1], expect)
+return 1
+"""
+
+ADMITTED, REFUSED, CLOSED = 1, 0, -1
 
 
 def micro_usd(cost: float) -> int:
     return int(round(cost * 1_000_000))
 
 
+def _decode_hash(h: dict) -> dict[str, int]:
+    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in h.items()}
+
+
 class Ledger:
     def __init__(self, client: redis.Redis):
         self.r = client
         self._count = client.register_script(_COUNT_ONCE)
+        self._admit = client.register_script(_ADMIT)
 
-    def count(self, record: ResponseRecord) -> bool:
-        """Add a stored record to the totals; False if it was already counted."""
+    # -- counting --------------------------------------------------------------------------
+    def count(self, record: ResponseRecord, now: float | None = None) -> bool:
+        """Add a stored record to the totals (and free its reservation); False if already counted."""
+        bucket = int((now or time.time()) // RATE_BUCKET_S)
         added = self._count(
-            keys=[rk.counted_set(record.dataset), rk.totals(record.dataset, record.backend), rk.spend(record.backend)],
-            args=[record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd)],
+            keys=[rk.counted_set(record.dataset), rk.totals(record.dataset, record.backend), rk.spend(record.backend),
+                  rk.dataset_totals(record.dataset), rk.reservations(record.dataset),
+                  rk.rate(record.dataset, record.backend, bucket)],
+            args=[record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd), RATE_KEEP_S],
         )
         return bool(added)
 
     def event(self, dataset: str, name: str, n: int = 1) -> None:
-        """Count a retry or failure by reason (``retry:http_429``, ``failed:timeout``...)."""
+        """Count a retry, failure or skip by reason (``retry:http_429``, ``failed:timeout``...)."""
         self.r.hincrby(rk.events(dataset), name, n)
 
+    def events(self, dataset: str) -> dict[str, int]:
+        return _decode_hash(self.r.hgetall(rk.events(dataset)))
+
+    # -- budgets ---------------------------------------------------------------------------
+    def expected_tokens(self, dataset: str, max_tokens: int) -> int:
+        """Tokens a response of this dataset is expected to take: the running mean, once known."""
+        t = _decode_hash(self.r.hgetall(rk.dataset_totals(dataset)))
+        if t.get("responses", 0) >= 5:
+            return max(1, round(t["completion_tokens"] / t["responses"]))
+        return max(1, max_tokens // 2)
+
+    def admit(self, dataset: str, key: str, budget: int, expected: int) -> int:
+        """ADMITTED (reservation held), REFUSED (this call closed the dataset) or CLOSED."""
+        return int(self._admit(
+            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset)],
+            args=[key, budget, expected],
+        ))
+
+    def release(self, dataset: str, key: str) -> None:
+        self.r.hdel(rk.reservations(dataset), key)
+
+    def closed_at(self, dataset: str) -> int | None:
+        """The budget the dataset was closed at, or None when it is open."""
+        v = self.r.get(rk.closed(dataset))
+        return int(v) if v is not None else None
+
+    def reopen(self, dataset: str) -> None:
+        self.r.delete(rk.closed(dataset))
+
+    def reserved(self, dataset: str) -> int:
+        return sum(int(v) for v in self.r.hvals(rk.reservations(dataset)))
+
+    # -- reading ---------------------------------------------------------------------------
     def spend_usd(self, backend: str) -> float:
         return int(self.r.hget(rk.spend(backend), "cost_micro_usd") or 0) / 1_000_000
+
+    def dataset_totals(self, dataset: str) -> dict[str, int]:
+        return _decode_hash(self.r.hgetall(rk.dataset_totals(dataset)))
 
     def totals(self, dataset: str) -> dict[str, dict[str, int]]:
         """Counters of one dataset, by backend."""
@@ -54,5 +132,14 @@ class Ledger:
         prefix = rk.totals(dataset, "")
         for key in self.r.scan_iter(match=rk.totals_pattern(dataset), count=500):
             name = key.decode() if isinstance(key, bytes) else key
-            out[name[len(prefix):]] = {k.decode(): int(v) for k, v in self.r.hgetall(key).items()}
+            out[name[len(prefix):]] = _decode_hash(self.r.hgetall(key))
         return out
+
+    def rate(self, dataset: str, backend: str, window_s: int, now: float | None = None) -> float:
+        """Completion tokens per second over the last ``window_s`` seconds."""
+        last = int((now or time.time()) // RATE_BUCKET_S)
+        n = max(1, window_s // RATE_BUCKET_S)
+        pipe = self.r.pipeline(transaction=False)
+        for b in range(last - n + 1, last + 1):
+            pipe.hget(rk.rate(dataset, backend, b), "completion_tokens")
+        return sum(int(v or 0) for v in pipe.execute()) / (n * RATE_BUCKET_S)

@@ -42,6 +42,34 @@ def totals_pattern(dataset: str = "*") -> str:
     return f"{PREFIX}totals:{dataset}:*"
 
 
+def dataset_totals(dataset: str) -> str:
+    """Hash of a dataset's counters over all backends: what budget admission reads."""
+    return f"{PREFIX}dataset:{dataset}"
+
+
+def reservations(dataset: str) -> str:
+    """Hash key -> expected tokens of every admitted task still in flight."""
+    return f"{PREFIX}reserved:{dataset}"
+
+
+def closed(dataset: str) -> str:
+    """Set (to the budget it closed at) once a dataset's budget is reached."""
+    return f"{PREFIX}closed:{dataset}"
+
+
+def rate(dataset: str, backend: str, bucket: int) -> str:
+    """Completion tokens stored in one 10-second bucket (expires): tokens per second for status."""
+    return f"{PREFIX}rate:{dataset}:{backend}:{bucket}"
+
+
+def assignment(dataset: str) -> str:
+    """Set of worker kinds (gpu, cloud) that may consume a dataset; absent = both.
+
+    Kept in Redis because Celery forgets consumer changes when a worker restarts.
+    """
+    return f"{PREFIX}assign:{dataset}"
+
+
 def spend(backend: str) -> str:
     """Spend of a backend across datasets (hash: cost_micro_usd), checked against its cap."""
     return f"{PREFIX}spend:{backend}"

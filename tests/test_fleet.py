@@ -56,13 +56,15 @@ def test_two_datasets_through_gpu_and_cloud_workers(tmp_path, redis_server, toke
         {"name": "chat", "path": str(chat), "max_tokens": 200},
         {"name": "inst", "path": str(inst), "max_tokens": 200, "system_prompt": "Be brief."},
     ])
+    # both workers up before anything is queued, so both get a share
+    workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
+    workers.start(config, "cloud", "--backend", "cloudy", redis_url=redis_server.url, env=KEY_ENV)
+    r = redis_server.client()
+    wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 2, 60, 0.1, f"2 workers\n{workers.logs()}")
     summary = {s["dataset"]: s for s in _enqueue(config, redis_server.url)}
     assert summary["chat"]["queued"] == 30 and summary["chat"]["rejected"] == 2
     assert summary["chat"]["rejected_by_kind"] == {"bad_json": 1, "wrong_type": 1}
     assert summary["inst"]["queued"] == 30
-
-    workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
-    workers.start(config, "cloud", "--backend", "cloudy", redis_url=redis_server.url, env=KEY_ENV)
     cfg = load_config(config)
     store = Store(cfg.fleet.store)
     wait_until(lambda: _store_count(store, ["chat", "inst"]) == 60, 90, 0.2, f"60 results\n{workers.logs()}")

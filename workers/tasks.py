@@ -21,7 +21,8 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from .. import redis_keys as rk
-from ..ledger import Ledger
+from ..assign import assigned
+from ..ledger import ADMITTED, REFUSED, Ledger
 from ..schemas.config import FleetConfig
 from ..schemas.records import DeadLetter, FailureRecord, PromptTask, ResponseRecord
 from ..store import Store, StoreError, check_key, check_name
@@ -32,32 +33,44 @@ log = logging.getLogger("draftfleet.worker")
 
 CLAIM_TTL_S = 120
 HEARTBEAT_S = 20
+ASSIGNMENT_POLL_S = 1.0
+IDLE_QUEUE = rk.QUEUE_PREFIX + "_idle"
 STORE_ATTEMPTS = 8
 
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 class Runtime:
-    """Per-process worker state: the backend, the store, Redis, and the claims it holds."""
+    """Per-process worker state: the backend, the store, Redis, its claims and its queues."""
 
     def __init__(self, app: Celery, cfg: FleetConfig, store: Store, r: redis.Redis, backend: Backend,
-                 hostname: str, queues: list[str], pause_s: float):
+                 hostname: str, datasets: list[str], pause_s: float):
         self.app = app
         self.cfg = cfg
         self.store = store
         self.r = r
         self.ledger = Ledger(r)
         self.backend = backend
+        self.kind = backend.kind
         self.hostname = hostname
-        self.queues = queues
+        self.datasets = datasets
         self.pause_s = pause_s
         self.token = f"{hostname}:{os.getpid()}"
         self._release = r.register_script(_RELEASE)
         self._lock = threading.Lock()
         self._claims: set[str] = set()
-        self.inflight = 0
+        self.inflight: dict[str, int] = {}
         self.paused: str | None = None
         self._stop = threading.Event()
+        self.allowed: set[str] = assigned(r, datasets, self.kind)
+        self.consuming: set[str] = {rk.queue(d) for d in self.allowed}
+        self._consumer = None
+        self.spend_cap = cfg.clouds[backend.name].max_spend_usd if backend.kind == "cloud" else None
+        self.budgets = {d.name: d.budget_tokens for d in cfg.datasets if d.budget_tokens}
+
+    def initial_queues(self) -> list[str]:
+        """The ``-Q`` list: assigned queues, or an idle queue so the worker can start and wait."""
+        return sorted(self.consuming) or [IDLE_QUEUE]
 
     # -- claims and heartbeat --------------------------------------------------------------
     def acquire(self, task: PromptTask) -> bool:
@@ -66,14 +79,14 @@ class Runtime:
             return False
         with self._lock:
             self._claims.add(key)
-            self.inflight += 1
+            self.inflight[task.dataset] = self.inflight.get(task.dataset, 0) + 1
         return True
 
     def release(self, task: PromptTask) -> None:
         key = rk.claim(task.dataset, task.key)
         with self._lock:
             self._claims.discard(key)
-            self.inflight -= 1
+            self.inflight[task.dataset] -= 1
         try:
             self._release(keys=[key], args=[self.token])
         except redis.RedisError:
@@ -87,14 +100,15 @@ class Runtime:
         """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""
         with self._lock:
             claims = list(self._claims)
-            inflight = self.inflight
+            inflight = {d: n for d, n in self.inflight.items() if n}
         try:
             pipe = self.r.pipeline(transaction=False)
             for key in claims:
                 pipe.expire(key, CLAIM_TTL_S)
             report = {
                 "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
-                "queues": self.queues, "inflight": inflight, "slots": self.backend.concurrency,
+                "datasets": sorted(self.allowed), "queues": sorted(self.consuming), "inflight": inflight,
+                "slots": self.backend.concurrency,
                 "paused": self.paused, "pid": os.getpid(), "at": time.time(),
             }
             pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=3 * HEARTBEAT_S)
@@ -106,6 +120,11 @@ class Runtime:
         self.heartbeat()
         threading.Thread(target=self._beat, name="draftfleet-heartbeat", daemon=True).start()
 
+    def attach(self, consumer) -> None:
+        """Called once Celery's consumer is ready: from now on the assignment steers it."""
+        self._consumer = consumer
+        threading.Thread(target=self._watch, name="draftfleet-assignment", daemon=True).start()
+
     def stop(self) -> None:
         self._stop.set()
         try:
@@ -113,7 +132,31 @@ class Runtime:
         except redis.RedisError:
             pass
 
-    # -- pausing ---------------------------------------------------------------------------
+    # -- consuming: assignment and pauses --------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(ASSIGNMENT_POLL_S):
+            try:
+                self.allowed = assigned(self.r, self.datasets, self.kind)
+            except redis.RedisError:
+                continue  # keep the last known assignment while Redis is away
+            self.sync()
+
+    def sync(self) -> None:
+        """Make the consumer follow the assignment (nothing while paused)."""
+        consumer = self._consumer
+        if consumer is None:
+            return
+        with self._lock:
+            desired = set() if self.paused else {rk.queue(d) for d in self.allowed}
+            add, cancel = desired - self.consuming, self.consuming - desired
+            self.consuming = desired
+        for q in sorted(add):
+            log.warning("now consuming %s", q)
+            consumer.call_soon(consumer.add_task_queue, q)
+        for q in sorted(cancel):
+            log.warning("no longer consuming %s", q)
+            consumer.call_soon(consumer.cancel_task_queue, q)
+
     def pause(self, reason: str, detail: str) -> None:
         """Stop consuming (tasks stay queued), and try again after ``pause_s``."""
         with self._lock:
@@ -122,9 +165,9 @@ class Runtime:
             self.paused = reason
         banner = "=" * 72
         log.error("%s\nSTOPPED CONSUMING %s: %s\n%s\nTasks stay queued; nothing is marked failed. "
-                  "Retrying in %.0fs.\n%s", banner, ", ".join(self.queues), reason, detail, self.pause_s, banner)
-        for q in self.queues:
-            self.app.control.cancel_consumer(q, destination=[self.hostname])
+                  "Retrying in %.0fs.\n%s", banner, ", ".join(sorted(self.consuming)), reason, detail,
+                  self.pause_s, banner)
+        self.sync()
         self.heartbeat()
         timer = threading.Timer(self.pause_s, self.resume)
         timer.daemon = True
@@ -135,10 +178,17 @@ class Runtime:
             if not self.paused:
                 return
             self.paused = None
-        log.warning("resuming consumption of %s", ", ".join(self.queues))
-        for q in self.queues:
-            self.app.control.add_consumer(q, destination=[self.hostname])
+        log.warning("resuming after a pause")
+        self.sync()
         self.heartbeat()
+
+    def check_spend(self) -> None:
+        """A cloud backend stops at its spend cap; the queue keeps what is left."""
+        if self.spend_cap is not None:
+            spent = self.ledger.spend_usd(self.backend.name)
+            if spent >= self.spend_cap:
+                raise Halt("spend_cap", f"{self.backend.name} has spent ${spent:.2f} of its "
+                           f"max_spend_usd ${self.spend_cap:.2f}: raise it in the config to go on")
 
 
 _runtime: Runtime | None = None
@@ -202,6 +252,7 @@ def _generate(rt: Runtime, task: PromptTask) -> tuple[Generation | None, int, fl
             raise Reject(f"worker paused: {rt.paused}", requeue=True)
         t0 = time.monotonic()
         try:
+            rt.check_spend()
             return rt.backend.generate(task), attempt, time.monotonic() - t0
         except Halt as exc:
             rt.pause(exc.reason, str(exc))
@@ -242,6 +293,24 @@ def _store(rt: Runtime, record: ResponseRecord) -> bool:
     return False
 
 
+def _admit(rt: Runtime, task: PromptTask) -> bool:
+    """Reserve the dataset's expected tokens; False once its budget is reached (task skipped)."""
+    budget = rt.budgets.get(task.dataset)
+    if budget is None:
+        return True
+    expected = rt.ledger.expected_tokens(task.dataset, task.settings.max_tokens)
+    verdict = rt.ledger.admit(task.dataset, task.key, budget, expected)
+    if verdict == ADMITTED:
+        return True
+    if verdict == REFUSED:
+        purged = rt.r.llen(rk.queue(task.dataset))
+        rt.r.delete(rk.queue(task.dataset))
+        log.warning("%s reached its budget of %d tokens: closed; %d queued tasks purged", task.dataset, budget, purged)
+        rt.ledger.event(task.dataset, "skipped:budget", purged)
+    rt.ledger.event(task.dataset, "skipped:budget")
+    return False
+
+
 def execute(task_self, payload: object) -> str:
     """Body of the Celery task; returns what happened (``stored``, ``duplicate``, ``failed``...)."""
     rt = runtime()
@@ -254,11 +323,16 @@ def execute(task_self, payload: object) -> str:
         return _dead_letter(rt, payload, f"not a valid task: {exc}", queue)
     if rt.store.has(task.dataset, task.key):
         return _count_existing(rt, task)
+    if task.dataset not in rt.allowed:
+        # Drained or pivoted away from this kind: back to the queue, not started.
+        raise Reject(f"{task.dataset} is not assigned to {rt.kind} workers", requeue=True)
     if not rt.acquire(task):
         return _defer(task_self, task)
     try:
         if rt.store.has(task.dataset, task.key):  # finished by a twin between our check and claim
             return _count_existing(rt, task)
+        if not _admit(rt, task):
+            return "skipped"
         gen, attempts, latency = _generate(rt, task)
         if gen is None:
             return "failed"
@@ -279,11 +353,18 @@ def execute(task_self, payload: object) -> str:
             rt.ledger.event(task.dataset, "truncated")
         return "stored"
     finally:
+        rt.ledger.release(task.dataset, task.key)
         rt.release(task)
 
 
 def register(app: Celery) -> None:
     """Register the task on ``app`` (acks late; a lost worker's message goes back to the queue)."""
+    from celery.signals import worker_ready
+
+    @worker_ready.connect(weak=False)
+    def _ready(sender=None, **_):
+        if _runtime is not None:
+            _runtime.attach(sender)
 
     @app.task(name=rk.TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
     def generate(self, payload):

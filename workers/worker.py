@@ -12,7 +12,6 @@ import os
 import socket
 from collections.abc import Sequence
 
-from .. import redis_keys as rk
 from ..broker import connect, redact, resolve_redis_url
 from ..schemas.config import ConfigError, FleetConfig
 from ..store import Store
@@ -41,13 +40,13 @@ def cloud_api_key(cfg: FleetConfig, name: str) -> str:
     return key
 
 
-def worker_queues(cfg: FleetConfig, datasets: Sequence[str] | None) -> list[str]:
+def worker_datasets(cfg: FleetConfig, datasets: Sequence[str] | None) -> list[str]:
     names = list(datasets) if datasets else [d.name for d in cfg.datasets]
     for n in names:
         cfg.dataset(n)
     if not names:
         raise ConfigError(f"{cfg.path}: no datasets to consume")
-    return [rk.queue(n) for n in names]
+    return names
 
 
 def run_worker(
@@ -67,7 +66,7 @@ def run_worker(
     """Run a worker in the foreground until it is stopped (SIGTERM: warm shutdown)."""
     setup_logging(loglevel)
     broker_url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
-    queues = worker_queues(cfg, datasets)
+    names = worker_datasets(cfg, datasets)
     tokenizer = TargetTokenizer.from_config(cfg.fleet)
     server = None
     backend: Backend
@@ -106,9 +105,10 @@ def run_worker(
     hostname = f"{name or label}@{socket.gethostname()}"
     app = make_app(broker_url, cfg.fleet.visibility_timeout_s)
     register(app)
-    rt = Runtime(app, cfg, Store(cfg.fleet.store), connect(broker_url), backend, hostname, queues, pause_s)
+    rt = Runtime(app, cfg, Store(cfg.fleet.store), connect(broker_url), backend, hostname, names, pause_s)
     install(rt)
     rt.start()
+    queues = rt.initial_queues()
     log.info("%s worker %s: %d in flight, queues %s, broker %s", kind, hostname, n, ",".join(queues), redact(broker_url))
     try:
         app.worker_main([
