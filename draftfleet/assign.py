@@ -15,19 +15,22 @@ from . import redis_keys as rk
 KINDS = ("gpu", "cloud")
 
 
+NOBODY = "none"  # stored when a dataset is assigned to no kind (drained, nothing took over)
+
+
 def kinds_for(r: redis.Redis, dataset: str) -> set[str]:
-    """The kinds allowed on a dataset (both when nothing was said)."""
+    """The kinds allowed on a dataset (both when nothing was said; empty when drained by all)."""
     members = {m.decode() if isinstance(m, bytes) else m for m in r.smembers(rk.assignment(dataset))}
-    return members or set(KINDS)
+    return (members - {NOBODY}) if members else set(KINDS)
 
 
 def assign(r: redis.Redis, dataset: str, kinds: set[str]) -> None:
     unknown = kinds - set(KINDS)
-    if unknown or not kinds:
-        raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {sorted(kinds)}")
+    if unknown:
+        raise ValueError(f"kinds must be a subset of {KINDS}, got {sorted(kinds)}")
     pipe = r.pipeline()
     pipe.delete(rk.assignment(dataset))
-    pipe.sadd(rk.assignment(dataset), *sorted(kinds))
+    pipe.sadd(rk.assignment(dataset), *(sorted(kinds) or [NOBODY]))
     pipe.execute()
 
 

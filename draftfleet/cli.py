@@ -93,6 +93,8 @@ def cmd_enqueue(args) -> int:
             out.print(f"{s.dataset}: {s.rejected} rejected ({kinds}); raw lines kept in {s.quarantine_file}", highlight=False)
         if s.failed_before:
             out.print(f"{s.dataset}: {s.failed_before} prompts failed before and were not re-sent (--retry-failed)")
+        if s.closed:
+            out.print(f"{s.dataset}: its token budget is reached (closed); raise budget_tokens to queue more")
     return status
 
 
@@ -101,6 +103,12 @@ def cmd_worker(args) -> int:
     from .workers.worker import run_worker
 
     cfg = _config(args)
+    if args.kind == "reconciler":
+        from .workers.reconciler import run_reconciler
+
+        run_reconciler(cfg, redis_url=args.redis_url, interval_s=args.interval, metrics_port=args.metrics_port,
+                       metrics_address=args.metrics_address, loglevel=args.loglevel)
+        return 0
     run_worker(
         cfg, args.kind, backend_name=args.backend, url=args.url, gpus=_gpu_list(args.gpu),
         slots=args.inflight or args.concurrency, datasets=args.dataset, redis_url=args.redis_url,
@@ -194,6 +202,216 @@ def cmd_flower(args) -> int:
     return 0
 
 
+# -- status, drain, pivot ------------------------------------------------------------------
+def _redis(args, cfg):
+    from .broker import connect, resolve_redis_url
+
+    return connect(resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store))
+
+
+def cmd_status(args) -> int:
+    import time
+
+    import msgspec
+    from rich.live import Live
+
+    from .status import render, snapshot
+
+    cfg = _config(args)
+    r = _redis(args, cfg)
+    if args.json:
+        print(msgspec.json.encode(snapshot(cfg, r)).decode())
+        return 0
+    if not args.watch:
+        out.print(render(snapshot(cfg, r)))
+        return 0
+    with Live(render(snapshot(cfg, r)), console=out, refresh_per_second=1) as live:
+        while True:
+            time.sleep(args.interval)
+            live.update(render(snapshot(cfg, r)))
+
+
+def _pivot_report(args, cfg, result, title: str) -> int:
+    import msgspec
+
+    from .inventory import run_inventory
+
+    inv = run_inventory(cfg.fleet.store, cfg, result.datasets)
+    if args.json:
+        print(msgspec.json.encode({"drain": result, "inventory": inv}).decode())
+        return 0 if result.drained else 1
+    state = "done" if result.drained else f"[red]timed out with {result.still_running} still running[/]"
+    out.print(f"{title}: {state} after {result.waited_s:.0f}s; assignment now "
+              + ", ".join(f"{d}: {'+'.join(k) or 'nobody'}" for d, k in result.assignment.items()))
+    _print_inventory(inv)
+    return 0 if result.drained else 1
+
+
+def _datasets(args, cfg) -> list[str]:
+    names = args.dataset or [d.name for d in cfg.datasets]
+    for n in names:
+        cfg.dataset(n)
+    return names
+
+
+def _tick(progress_task, progress):
+    return lambda running: progress.update(progress_task, description=f"waiting for {running} in flight")
+
+
+def cmd_drain(args) -> int:
+    from .pivot import drain
+
+    cfg = _config(args)
+    r = _redis(args, cfg)
+    names = _datasets(args, cfg)
+    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, disable=args.json) as progress:
+        t = progress.add_task("draining", total=None)
+        result = drain(r, args.kind, names, args.timeout, _tick(t, progress))
+    return _pivot_report(args, cfg, result, f"drained {args.kind} from {', '.join(names)}")
+
+
+def cmd_pivot(args) -> int:
+    from .pivot import pivot
+
+    cfg = _config(args)
+    r = _redis(args, cfg)
+    names = _datasets(args, cfg)
+    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, disable=args.json) as progress:
+        t = progress.add_task("pivoting", total=None)
+        result = pivot(r, args.to, names, args.timeout, _tick(t, progress))
+    return _pivot_report(args, cfg, result, f"pivoted {', '.join(names)} to {args.to}")
+
+
+# -- reconcile, inventory, import, export --------------------------------------------------
+def cmd_reconcile(args) -> int:
+    import msgspec
+
+    from .reconcile import Reconciler
+    from .store import Store
+
+    cfg = _config(args)
+    drifts = Reconciler(Store(cfg.fleet.store), _redis(args, cfg)).reconcile_all(_datasets(args, cfg))
+    if args.json:
+        print(msgspec.json.encode(drifts).decode())
+        return 0
+    table = Table(title="reconcile: counters against the store")
+    for col in ("dataset", "stored", "counted", "newly counted", "corrections", "counted, not stored", "unreadable"):
+        table.add_column(col, justify="left" if col in ("dataset", "corrections") else "right")
+    for d in drifts:
+        fixes = "; ".join(f"{b}: " + ", ".join(f"{k} {v:+d}" for k, v in c.items()) for b, c in d.corrections.items())
+        table.add_row(d.dataset, str(d.stored), str(d.counted), str(d.newly_counted), fixes or "none",
+                      str(d.counted_not_stored), str(len(d.unreadable)))
+    out.print(table)
+    return 0
+
+
+def _optional_tokenizer(args, cfg):
+    from .tokenizer import TargetTokenizer
+
+    path = getattr(args, "tokenizer", None) or (cfg.fleet.tokenizer if cfg else None)
+    if not path:
+        return None
+    if cfg is not None and path == cfg.fleet.tokenizer:
+        return TargetTokenizer.from_config(cfg.fleet)
+    return TargetTokenizer(path)
+
+
+def _print_inventory(invs) -> None:
+    for inv in invs:
+        table = Table(title=f"inventory: {inv.dataset}", title_justify="left")
+        for col in ("backend", "kind", "token source", "responses", "completion tokens", "cost (USD)"):
+            table.add_column(col, justify="left" if col in ("backend", "kind", "token source") else "right")
+        for s in inv.by_source:
+            table.add_row(s.backend, s.backend_kind, s.token_source, f"{s.responses:,}", f"{s.completion_tokens:,}",
+                          f"{s.cost_usd:,.2f}")
+        table.add_row("total", "", "", f"{inv.responses:,}", f"{inv.completion_tokens:,}", f"{inv.spend_usd:,.2f}")
+        out.print(table)
+        line = f"mean {inv.mean_tokens or 0:,.0f} tokens/response"
+        if inv.budget_tokens:
+            line += (f"; budget {inv.budget_tokens:,}: {100 * (inv.share_done or 0):.1f}% done, "
+                     f"{inv.remaining_tokens:,} remaining")
+        for name, usd in inv.cost_to_finish_usd.items():
+            line += f"; to finish on {name}: ~${usd:,.2f}"
+        out.print(line, highlight=False)
+        v = inv.validation
+        checks = [f"schema errors {v.schema_errors}", f"truncated {v.truncated}", f"duplicate prompts {v.duplicate_prompts}"]
+        if v.ids_out_of_vocab is not None:
+            checks += [f"ids out of vocab {v.ids_out_of_vocab}", f"stopped without end-of-turn {v.stop_without_eot}"]
+        if v.roundtrip_share is not None:
+            checks.append(f"decode->encode mismatch {100 * v.roundtrip_share:.1f}% of {v.roundtrip_checked} exact")
+        out.print("validation: " + ", ".join(checks), highlight=False)
+        for f in v.unreadable_files[:10]:
+            out.print(f"  [yellow]unreadable[/] {f}", highlight=False)
+
+
+def cmd_inventory(args) -> int:
+    import msgspec
+
+    from .inventory import run_inventory
+
+    cfg = None if (args.store and not args.config and not os.environ.get("DRAFTFLEET_CONFIG")) else _config(args)
+    root = cfg.fleet.store if cfg else args.store
+    invs = run_inventory(root, cfg, args.dataset, _optional_tokenizer(args, cfg), args.roundtrip_sample)
+    if args.json:
+        print(msgspec.json.encode(invs).decode())
+    else:
+        _print_inventory(invs)
+    return 0
+
+
+def cmd_import(args) -> int:
+    import msgspec
+
+    from .ledger import Ledger
+    from .producer.enqueue import check_manifest
+    from .producer.importer import import_file
+    from .store import Store
+
+    cfg = _config(args)
+    ds = cfg.dataset(args.dataset)
+    store = Store(cfg.fleet.store)
+    manifest = check_manifest(store, cfg, ds, new_version=False)
+    try:
+        ledger = Ledger(_redis(args, cfg))
+        ledger.r.ping()
+    except Exception as exc:  # counting can wait: the reconciler counts what the store holds
+        err.print(f"[yellow]counters not updated ({type(exc).__name__}); `draftfleet reconcile` will count them[/]")
+        ledger = None
+    summary = import_file(args.path, ds, manifest, store, _optional_tokenizer(args, cfg), ledger, args.label)
+    if args.json:
+        print(msgspec.json.encode(summary).decode())
+        return 0
+    out.print(f"imported {summary.imported:,} records ({summary.completion_tokens:,} completion tokens; "
+              f"{summary.exact} exact, {summary.retokenized} re-tokenized) into {ds.name}; "
+              f"{summary.already_present} already present; {summary.rejected} rejected", highlight=False)
+    if summary.rejected_by_kind:
+        out.print("rejected: " + ", ".join(f"{k} {v}" for k, v in summary.rejected_by_kind.items())
+                  + f"; raw lines in {store.quarantine_path(ds.name)}", highlight=False)
+    if summary.cut_last_line:
+        out.print("[yellow]the last line was cut off (the writer was killed mid-line): skipped[/]")
+    return 0
+
+
+def cmd_export(args) -> int:
+    import msgspec
+
+    from .export import export_dataset
+    from .store import Store
+
+    cfg = None if (args.store and not args.config and not os.environ.get("DRAFTFLEET_CONFIG")) else _config(args)
+    root = cfg.fleet.store if cfg else args.store
+    tok = _optional_tokenizer(args, cfg) if ("tokens" in args.format or args.exclude_invalid) else None
+    manifest = export_dataset(Store(root), args.dataset, args.out, args.format, exclude_truncated=args.exclude_truncated,
+                              exclude_invalid=args.exclude_invalid, tokenizer=tok)
+    if args.json:
+        print(msgspec.json.encode(manifest).decode())
+    else:
+        out.print(f"exported {manifest.records:,} records of {args.dataset} to {args.out}: "
+                  + ", ".join(manifest.files) + f" (excluded: {manifest.excluded_truncated} truncated, "
+                  f"{manifest.excluded_invalid} invalid)", highlight=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftfleet", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -214,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_enqueue)
 
     sp = sub.add_parser("worker", help="run a worker: gpu (one per SGLang server) or cloud")
-    sp.add_argument("kind", choices=["gpu", "cloud"])
+    sp.add_argument("kind", choices=["gpu", "cloud", "reconciler"])
     common(sp)
     sp.add_argument("--url", help="gpu: URL of a running SGLang server")
     sp.add_argument("--gpu", help="gpu: launch SGLang on these GPUs (e.g. 0, or 0,1 for a TP group)")
@@ -223,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--concurrency", type=int, help="cloud: requests in flight (default the backend's concurrency)")
     sp.add_argument("--dataset", "-d", action="append", help="consume only this dataset's queue (repeatable)")
     sp.add_argument("--name", help="worker name (default from kind and GPU/backend)")
+    sp.add_argument("--interval", type=float, default=60.0, help="reconciler: seconds between passes")
+    sp.add_argument("--metrics-port", type=int, help="reconciler: serve Prometheus metrics on this port")
+    sp.add_argument("--metrics-address", default="127.0.0.1", help="reconciler: metrics bind address")
     sp.add_argument("--loglevel", default="INFO")
     sp.set_defaults(func=cmd_worker)
 
@@ -267,6 +488,62 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allow-control", action="store_true",
                     help="enable Flower's control API (shutdown, consumers, revoke, send task); off by default")
     sp.set_defaults(func=cmd_flower)
+    sp = sub.add_parser("status", help="workers, queues, tokens against budget, spend, ETA")
+    common(sp)
+    sp.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    sp.add_argument("--interval", type=float, default=2.0)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_status)
+
+    sp = sub.add_parser("drain", help="stop a worker kind taking new tasks from datasets; wait for what it started")
+    common(sp)
+    sp.add_argument("--kind", choices=["gpu", "cloud"], required=True)
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
+    sp.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for in-flight work")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_drain)
+
+    sp = sub.add_parser("pivot", help="hand datasets to one worker kind (drains the other)")
+    common(sp)
+    sp.add_argument("--to", choices=["gpu", "cloud"], required=True)
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
+    sp.add_argument("--timeout", type=float, default=1800.0)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_pivot)
+
+    sp = sub.add_parser("reconcile", help="rebuild the counters from the store, report and correct drift")
+    common(sp)
+    sp.add_argument("--dataset", "-d", action="append")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_reconcile)
+
+    sp = sub.add_parser("inventory", help="responses, tokens, budget, cost to finish and validation, from the store")
+    common(sp)
+    sp.add_argument("--dataset", "-d", action="append")
+    sp.add_argument("--tokenizer", help="tokenizer folder for the validation (default [fleet].tokenizer)")
+    sp.add_argument("--roundtrip-sample", type=int, default=500, help="exact records checked decode->encode")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_inventory)
+
+    sp = sub.add_parser("import", help="bring an earlier run's raw_responses.jsonl into the store")
+    sp.add_argument("path")
+    common(sp)
+    sp.add_argument("--dataset", "-d", required=True)
+    sp.add_argument("--label", default="import", help="backend name recorded on imported records")
+    sp.add_argument("--tokenizer")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_import)
+
+    sp = sub.add_parser("export", help="write training files (SpecForge sharegpt, raw_responses, token rows)")
+    common(sp)
+    sp.add_argument("--dataset", "-d", required=True)
+    sp.add_argument("--format", "-f", action="append", choices=["sharegpt", "raw", "tokens"], required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--exclude-truncated", action="store_true")
+    sp.add_argument("--exclude-invalid", action="store_true")
+    sp.add_argument("--tokenizer")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_export)
     return p
 
 

@@ -18,6 +18,7 @@ from celery import Celery
 
 from .. import redis_keys as rk
 from ..identity import prompt_key, settings_id
+from ..ledger import Ledger
 from ..queues import queued_keys
 from ..schemas.config import DatasetConfig, FleetConfig
 from ..schemas.records import DatasetManifest, Message, PromptTask
@@ -38,6 +39,7 @@ class EnqueueSummary(msgspec.Struct, kw_only=True):
     already_queued: int = 0
     failed_before: int = 0
     duplicate_in_input: int = 0
+    closed: bool = False
     rejected: int = 0
     rejected_by_kind: dict[str, int] = {}
     quarantine_file: str | None = None
@@ -94,6 +96,12 @@ def enqueue_dataset(
 ) -> EnqueueSummary:
     manifest = check_manifest(store, cfg, ds, new_version)
     summary = EnqueueSummary(dataset=ds.name, version=manifest.version)
+    ledger = Ledger(r)
+    closed_at = ledger.closed_at(ds.name)
+    if closed_at is not None and (ds.budget_tokens is None or ds.budget_tokens > closed_at):
+        ledger.reopen(ds.name)  # the budget was raised (or removed): the dataset takes work again
+        closed_at = None
+    summary.closed = closed_at is not None
     done = store.keys(ds.name)
     queued = queued_keys(r, ds.name)
     failed = {f.key for f in store.failures(ds.name)}
@@ -126,6 +134,8 @@ def enqueue_dataset(
                 continue
             if key in failed and not retry_failed:
                 summary.failed_before += 1
+                continue
+            if summary.closed:
                 continue
             task = PromptTask(
                 key=key, dataset=ds.name, source=item.source, messages=messages,

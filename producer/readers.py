@@ -121,6 +121,11 @@ def _read_jsonl(ds: DatasetConfig, max_line_bytes: int) -> Iterator[PromptRow | 
 
 
 def _jsonl_row(line: bytes, ds: DatasetConfig, where: str, lineno: int) -> PromptRow | Rejection:
+    return parse_line(line, ds, where, lineno)[1]
+
+
+def parse_line(line: bytes, ds: DatasetConfig, where: str, lineno: int) -> tuple[dict[str, Any] | None, PromptRow | Rejection]:
+    """Decode one JSONL line into its row and its prompt (``import`` reads output fields from the row)."""
     try:
         row = msgspec.json.decode(line)
     except msgspec.DecodeError as exc:
@@ -128,19 +133,25 @@ def _jsonl_row(line: bytes, ds: DatasetConfig, where: str, lineno: int) -> Promp
             line.decode("utf-8")
         except UnicodeDecodeError as uexc:
             detail = f"not valid UTF-8 at byte {uexc.start} ({uexc.reason}); the line is kept as base64"
-            return _rejection(ds.path, where, lineno, "bad_utf8", detail, raw=line)
+            return None, _rejection(ds.path, where, lineno, "bad_utf8", detail, raw=line)
         # msgspec gives no position when the input ends early: the position is then the end.
         position = "" if "byte" in str(exc) else f" (byte {len(line)})"
-        return _rejection(ds.path, where, lineno, "bad_json", f"invalid JSON: {exc}{position}", raw=line)
+        return None, _rejection(ds.path, where, lineno, "bad_json", f"invalid JSON: {exc}{position}", raw=line)
     except RecursionError:
-        return _rejection(ds.path, where, lineno, "bad_json", "invalid JSON: nested too deeply to decode", raw=line)
+        return None, _rejection(ds.path, where, lineno, "bad_json", "invalid JSON: nested too deeply to decode", raw=line)
     if not isinstance(row, dict):
         detail = f"expected a JSON object per line, got {_type(row)}"
-        return _rejection(ds.path, where, lineno, "not_object", detail, raw=line)
+        return None, _rejection(ds.path, where, lineno, "not_object", detail, raw=line)
     try:
-        return _prompt_row(row, ds.fields, where)
+        return row, _prompt_row(row, ds.fields, where)
     except _Reject as r:
-        return _rejection(ds.path, where, lineno, r.kind, r.detail, field=r.field, raw=line)
+        return row, _rejection(ds.path, where, lineno, r.kind, r.detail, field=r.field, raw=line)
+
+
+def rejection(path: str, where: str, line: int | None, kind: str, detail: str, *,
+              field: str | None = None, raw: bytes | None = None) -> Rejection:
+    """A quarantine entry for a problem found outside the reader (``import``'s output fields)."""
+    return _rejection(path, where, line, kind, detail, field=field, raw=raw)
 
 
 def _read_parquet(ds: DatasetConfig) -> Iterator[PromptRow | Rejection]:

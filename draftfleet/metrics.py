@@ -1,0 +1,57 @@
+"""The fleet's own Prometheus metrics, served by the reconciler (Flower's have no queue depth).
+
+A collector reads a status snapshot on every scrape, so the figures are as fresh as Redis:
+tokens, responses and cost per dataset and backend, queue depth, in flight, budget, retries and
+failures by reason, spend per cloud backend, and worker counts by kind.
+"""
+
+from __future__ import annotations
+
+import redis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .ledger import Ledger
+from .schemas.config import FleetConfig
+from .status import snapshot
+
+
+class FleetCollector:
+    def __init__(self, cfg: FleetConfig, r: redis.Redis):
+        self.cfg = cfg
+        self.r = r
+
+    def collect(self):
+        snap = snapshot(self.cfg, self.r)
+        ledger = Ledger(self.r)
+        tokens = CounterMetricFamily("draftfleet_completion_tokens", "Completion tokens stored", labels=["dataset", "backend"])
+        responses = CounterMetricFamily("draftfleet_responses", "Responses stored", labels=["dataset", "backend"])
+        cost = CounterMetricFamily("draftfleet_cost_usd", "Cost of stored responses (USD)", labels=["dataset", "backend"])
+        depth = GaugeMetricFamily("draftfleet_queue_depth", "Tasks waiting in the dataset's queue", labels=["dataset"])
+        inflight = GaugeMetricFamily("draftfleet_inflight", "Tasks being generated now", labels=["dataset"])
+        budget = GaugeMetricFamily("draftfleet_budget_tokens", "Token budget of the dataset", labels=["dataset"])
+        events = CounterMetricFamily("draftfleet_events", "Retries, failures and skips by reason", labels=["dataset", "event"])
+        spend = GaugeMetricFamily("draftfleet_spend_usd", "Spend of a cloud backend (USD)", labels=["backend"])
+        cap = GaugeMetricFamily("draftfleet_spend_cap_usd", "max_spend_usd of a cloud backend", labels=["backend"])
+        workers = GaugeMetricFamily("draftfleet_workers", "Live workers", labels=["kind", "state"])
+        for d in snap.datasets:
+            for b in d.backends:
+                tokens.add_metric([d.dataset, b.backend], b.completion_tokens)
+                responses.add_metric([d.dataset, b.backend], b.responses)
+                cost.add_metric([d.dataset, b.backend], b.cost_usd)
+            depth.add_metric([d.dataset], d.queue_depth)
+            inflight.add_metric([d.dataset], d.inflight)
+            if d.budget_tokens:
+                budget.add_metric([d.dataset], d.budget_tokens)
+            for name, n in sorted(ledger.events(d.dataset).items()):
+                events.add_metric([d.dataset, name], n)
+        for s in snap.spend:
+            spend.add_metric([s.backend], s.spent_usd)
+            if s.cap_usd is not None:
+                cap.add_metric([s.backend], s.cap_usd)
+        counts: dict[tuple[str, str], int] = {}
+        for w in snap.workers:
+            key = (w.kind, "paused" if w.paused else "running")
+            counts[key] = counts.get(key, 0) + 1
+        for (kind, state), n in sorted(counts.items()):
+            workers.add_metric([kind, state], n)
+        yield from (tokens, responses, cost, depth, inflight, budget, events, spend, cap, workers)

@@ -1,0 +1,134 @@
+"""The reconciler: rebuild the totals from the store (the truth) and correct Redis's counters.
+
+A pass, per dataset: (1) every stored key missing from the counted set is counted through the
+ledger's idempotent script (a worker died between storing and counting, or Redis lost its data);
+(2) the counted set and the counters are read in one transaction and compared with the sums of
+those same keys' records; any difference is drift, reported and corrected with increments (safe
+while workers keep counting); (3) reservations left by dead workers (no claim) are dropped.
+Records are write-once, so each is read once and its figures cached for later passes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import msgspec
+import redis
+
+from . import redis_keys as rk
+from .ledger import Ledger, micro_usd
+from .store import Store
+
+FIELDS = ("responses", "prompt_tokens", "completion_tokens", "cost_micro_usd")
+
+
+class _Figures(msgspec.Struct, frozen=True):
+    """The part of a record the counters need (decoding only this is fast)."""
+
+    key: str
+    dataset: str
+    backend: str
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+
+
+_figures = msgspec.json.Decoder(_Figures)
+
+
+class Drift(msgspec.Struct, kw_only=True):
+    dataset: str
+    stored: int
+    counted: int
+    newly_counted: int
+    corrections: dict[str, dict[str, int]]
+    counted_not_stored: int
+    stale_reservations: int
+    unreadable: list[str]
+
+
+class Reconciler:
+    def __init__(self, store: Store, r: redis.Redis):
+        self.store = store
+        self.r = r
+        self.ledger = Ledger(r)
+        self._cache: dict[tuple[str, str], _Figures] = {}
+
+    def _read(self, dataset: str, keys: set[str], unreadable: list[str]) -> dict[str, _Figures]:
+        out = {}
+        for key in keys:
+            fig = self._cache.get((dataset, key))
+            if fig is None:
+                path = self.store.path(dataset, key)
+                try:
+                    fig = _figures.decode(path.read_bytes())
+                except (OSError, msgspec.DecodeError) as exc:
+                    unreadable.append(f"{path}: {exc}")
+                    continue
+                self._cache[(dataset, key)] = fig
+            out[key] = fig
+        return out
+
+    def reconcile(self, dataset: str) -> Drift:
+        unreadable: list[str] = []
+        keys = self.store.keys(dataset)
+        records = self._read(dataset, keys, unreadable)
+        counted_now = {m.decode() for m in self.r.smembers(rk.counted_set(dataset))}
+        newly = 0
+        for key in keys - counted_now:
+            if key in records and self.ledger.count(records[key]):
+                newly += 1
+
+        backends = {f.backend for f in records.values()} | set(self.ledger.totals(dataset))
+        pipe = self.r.pipeline(transaction=True)
+        pipe.smembers(rk.counted_set(dataset))
+        pipe.hgetall(rk.dataset_totals(dataset))
+        for b in sorted(backends):
+            pipe.hgetall(rk.totals(dataset, b))
+        counted_raw, ds_totals, *per_backend = pipe.execute()
+        counted = {m.decode() for m in counted_raw}
+
+        want: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
+        for key in counted & records.keys():
+            f = records[key]
+            w = want[f.backend]
+            w["responses"] += 1
+            w["prompt_tokens"] += f.prompt_tokens
+            w["completion_tokens"] += f.completion_tokens
+            w["cost_micro_usd"] += micro_usd(f.cost_usd)
+        corrections: dict[str, dict[str, int]] = {}
+        if unreadable:  # figures of unreadable records are unknown: report, correct nothing
+            backends = set()
+            want.clear()
+            per_backend = []
+        pipe = self.r.pipeline(transaction=True)
+        for b, have_raw in zip(sorted(backends), per_backend):
+            have = {k.decode(): int(v) for k, v in have_raw.items()}
+            delta = {f: want[b][f] - have.get(f, 0) for f in FIELDS if want[b][f] != have.get(f, 0)}
+            if delta:
+                corrections[b] = delta
+                for f, d in delta.items():
+                    pipe.hincrby(rk.totals(dataset, b), f, d)
+                if "cost_micro_usd" in delta:
+                    pipe.hincrby(rk.spend(b), "cost_micro_usd", delta["cost_micro_usd"])
+        have_ds = {k.decode(): int(v) for k, v in ds_totals.items()}
+        for f in FIELDS if not unreadable else ():
+            d = sum(w[f] for w in want.values()) - have_ds.get(f, 0)
+            if d:
+                corrections.setdefault("*", {})[f] = d
+                pipe.hincrby(rk.dataset_totals(dataset), f, d)
+        pipe.execute()
+
+        stale = 0
+        for key in self.r.hkeys(rk.reservations(dataset)):
+            k = key.decode()
+            if not self.r.exists(rk.claim(dataset, k)):
+                stale += self.r.hdel(rk.reservations(dataset), k)
+        return Drift(
+            dataset=dataset, stored=len(keys), counted=len(counted), newly_counted=newly,
+            corrections=corrections, counted_not_stored=len(counted - keys), stale_reservations=stale,
+            unreadable=unreadable,
+        )
+
+    def reconcile_all(self, datasets: list[str] | None = None) -> list[Drift]:
+        return [self.reconcile(d) for d in (datasets or self.store.datasets())]

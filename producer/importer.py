@@ -1,0 +1,181 @@
+"""``draftfleet import``: bring an earlier pipeline's ``raw_responses.jsonl`` into the store.
+
+Each line holds a prompt (in any shape the reader accepts) and its output: text and/or
+``output_ids``, and/or ``completion_tokens``. Records are keyed exactly as ``enqueue`` keys the
+same prompt under the dataset's settings, so a following ``enqueue`` resumes after them (the
+seed's "resume from prompt 1747"). Lines with ids are ``exact``; text-only lines are re-tokenized.
+A cut-off last line (the writer was killed mid-line) is reported and skipped; other bad lines go
+to the quarantine. Nothing already in the store is overwritten.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..identity import prompt_key
+from ..ledger import Ledger
+from ..schemas.config import DatasetConfig
+from ..schemas.records import DatasetManifest, ResponseRecord, Usage
+from ..store import Store
+from ..tokenizer import TargetTokenizer
+from .enqueue import prompt_messages
+from .readers import PromptRow, Rejection, parse_line, rejection
+
+TEXT_FIELDS = ("output", "response", "completion", "generated_text", "answer", "text")
+IDS_FIELDS = ("output_ids", "token_ids", "completion_ids")
+
+
+class ImportSummary(msgspec.Struct, kw_only=True):
+    dataset: str
+    file: str
+    lines: int = 0
+    imported: int = 0
+    completion_tokens: int = 0
+    already_present: int = 0
+    rejected: int = 0
+    rejected_by_kind: dict[str, int] = {}
+    cut_last_line: bool = False
+    exact: int = 0
+    retokenized: int = 0
+
+
+class _Bad(Exception):
+    def __init__(self, field: str, detail: str):
+        super().__init__(detail)
+        self.field, self.detail = field, detail
+
+
+def _output_text(row: dict[str, Any]) -> str | None:
+    for f in TEXT_FIELDS:
+        if isinstance(row.get(f), str):
+            return row[f]
+    for col in ("messages", "conversations"):
+        turns = row.get(col)
+        if isinstance(turns, list):
+            for t in turns:
+                if isinstance(t, dict) and (t.get("role") or t.get("from")) in ("assistant", "gpt", "chatgpt", "model"):
+                    content = t.get("content", t.get("value"))
+                    if isinstance(content, str):
+                        return content
+    return None
+
+
+def _output_ids(row: dict[str, Any]) -> list[int] | None:
+    for f in IDS_FIELDS:
+        if f in row and row[f] is not None:
+            ids = row[f]
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise _Bad(f, "expected a list of integer token ids")
+            return ids
+    return None
+
+
+def _int_field(row: dict[str, Any], name: str) -> int | None:
+    for src in (row, row.get("usage"), row.get("meta_info")):
+        if isinstance(src, dict) and isinstance(src.get(name), int) and not isinstance(src.get(name), bool):
+            return src[name]
+    return None
+
+
+def _finish(row: dict[str, Any], ids: list[int], tok: TargetTokenizer | None) -> str:
+    fr = row.get("finish_reason", (row.get("meta_info") or {}).get("finish_reason") if isinstance(row.get("meta_info"), dict) else None)
+    if isinstance(fr, dict):
+        fr = fr.get("type")
+    if isinstance(fr, str) and fr:
+        return fr
+    if tok is not None and ids:
+        return "stop" if ids[-1] == tok.eot_id else "length"
+    return "stop"
+
+
+def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row: dict[str, Any],
+            tok: TargetTokenizer | None, label: str, source: str) -> ResponseRecord:
+    messages = prompt_messages(ds, prompt)
+    key = prompt_key(ds.name, messages, manifest.settings)
+    text = _output_text(row)
+    ids = _output_ids(row)
+    reasoning = row.get("reasoning") or row.get("reasoning_content")
+    reasoning = reasoning if isinstance(reasoning, str) and reasoning else None
+    if ids is None:
+        if text is None:
+            raise _Bad("output", f"no output: looked for {', '.join(TEXT_FIELDS + IDS_FIELDS)}")
+        if tok is None:
+            raise _Bad("output_ids", "no output_ids and no tokenizer to re-tokenize the text ([fleet].tokenizer)")
+        finish = _finish(row, [], None)
+        ids = tok.completion_ids(messages, text, reasoning, stopped=finish == "stop")
+        source_kind = "retokenized"
+    else:
+        if text is None:
+            if tok is None:
+                raise _Bad("output", "output_ids without text need a tokenizer to decode them")
+            text = tok.decode(ids)
+        finish = _finish(row, ids, tok)
+        source_kind = "exact"
+    if tok is not None and ids and (min(ids) < 0 or max(ids) >= tok.vocab_size):
+        raise _Bad("output_ids", f"ids outside the tokenizer's vocabulary of {tok.vocab_size}")
+    theirs = _int_field(row, "completion_tokens")
+    prompt_tokens = _int_field(row, "prompt_tokens") or (len(tok.prompt_ids(messages)) if tok else 0)
+    cost = row.get("cost") if isinstance(row.get("cost"), (int, float)) else None
+    return ResponseRecord(
+        key=key, dataset=ds.name, source=source, settings_id=manifest.settings_id, messages=messages,
+        system_prompt_used=any(m.role == "system" for m in messages), text=text, reasoning=reasoning,
+        output_ids=ids, prompt_tokens=prompt_tokens, completion_tokens=len(ids) or (theirs or 0),
+        finish_reason=finish, truncated=finish == "length", backend=label,
+        backend_kind="gpu" if source_kind == "exact" else "cloud", model=str(row.get("model") or manifest.settings.model),
+        token_source=source_kind, usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=theirs or 0, cost_usd=cost),
+        cost_usd=float(cost or 0.0), cost_source="provider" if cost is not None else "none", latency_s=0.0,
+        attempts=1, worker="import", created_at=time.time(),
+    )
+
+
+def import_file(path: str | Path, ds: DatasetConfig, manifest: DatasetManifest, store: Store,
+                tokenizer: TargetTokenizer | None, ledger: Ledger | None = None, label: str = "import") -> ImportSummary:
+    path = Path(path)
+    summary = ImportSummary(dataset=ds.name, file=str(path))
+    kinds: Counter[str] = Counter()
+    rejects = []
+    with open(path, "rb") as fh:
+        data_lines = fh.read().split(b"\n")
+    last_cut = data_lines[-1] != b""  # no newline at the end: maybe cut mid-write
+    if not last_cut:
+        data_lines.pop()
+    for lineno, line in enumerate(data_lines, 1):
+        line = line.rstrip(b"\r")
+        if not line.strip():
+            continue
+        summary.lines += 1
+        where = f"{path.name}:{lineno}"
+        row, prompt = parse_line(line, ds, where, lineno)
+        if isinstance(prompt, Rejection):
+            if last_cut and lineno == len(data_lines) and row is None:
+                summary.cut_last_line = True
+                continue
+            kinds[prompt.entry.kind] += 1
+            rejects.append(prompt.entry)
+            continue
+        try:
+            rec = _record(ds, manifest, prompt, row, tokenizer, label, where)
+        except _Bad as bad:
+            rej = rejection(str(path), where, lineno, "bad_output", bad.detail, field=bad.field, raw=line)
+            kinds["bad_output"] += 1
+            rejects.append(rej.entry)
+            continue
+        if not store.put(rec):
+            summary.already_present += 1
+            continue
+        if ledger is not None:
+            ledger.count(rec)
+        summary.imported += 1
+        summary.completion_tokens += rec.completion_tokens
+        summary.exact += rec.token_source == "exact"
+        summary.retokenized += rec.token_source == "retokenized"
+    if rejects:
+        store.quarantine(f"{ds.name}", rejects)
+    summary.rejected = sum(kinds.values())
+    summary.rejected_by_kind = dict(kinds)
+    return summary

@@ -1,0 +1,66 @@
+"""``draftfleet worker reconciler``: the periodic reconcile task, run by Celery beat.
+
+One small worker with an embedded beat runs ``draftfleet.reconcile`` every ``interval_s`` on
+its own queue, and serves the fleet's Prometheus metrics. Run one per fleet; a second one is
+harmless (a pass only counts missing keys idempotently and corrects drift with increments).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+from .. import redis_keys as rk
+from ..broker import connect, redact, resolve_redis_url
+from ..reconcile import Reconciler
+from ..schemas.config import FleetConfig
+from ..store import Store
+from .app import make_app
+from .worker import setup_logging
+
+log = logging.getLogger("draftfleet.reconciler")
+
+RECONCILE_TASK = "draftfleet.reconcile"
+RECONCILE_QUEUE = rk.QUEUE_PREFIX + "_reconcile"
+
+
+def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s: float = 60.0,
+                   metrics_port: int | None = None, metrics_address: str = "127.0.0.1", loglevel: str = "INFO") -> None:
+    setup_logging(loglevel)
+    url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
+    r = connect(url)
+    reconciler = Reconciler(Store(cfg.fleet.store), r)
+    names = [d.name for d in cfg.datasets]
+    app = make_app(url, cfg.fleet.visibility_timeout_s)
+
+    @app.task(name=RECONCILE_TASK, ignore_result=True, acks_late=False)
+    def reconcile():
+        for drift in reconciler.reconcile_all(names):
+            if drift.corrections or drift.newly_counted or drift.counted_not_stored or drift.unreadable:
+                log.warning("%s: drift corrected %s; %d stored keys were uncounted; %d counted keys missing from "
+                            "the store; %d unreadable records", drift.dataset, drift.corrections, drift.newly_counted,
+                            drift.counted_not_stored, len(drift.unreadable))
+            if drift.stale_reservations:
+                log.info("%s: dropped %d reservations of dead workers", drift.dataset, drift.stale_reservations)
+
+    app.conf.beat_schedule = {
+        "reconcile": {"task": RECONCILE_TASK, "schedule": interval_s,
+                      "options": {"queue": RECONCILE_QUEUE, "expires": interval_s}},
+    }
+    if metrics_port is not None:
+        from prometheus_client import REGISTRY, start_http_server
+
+        from ..metrics import FleetCollector
+
+        REGISTRY.register(FleetCollector(cfg, r))
+        start_http_server(metrics_port, addr=metrics_address)
+        log.info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
+    state = Path(cfg.fleet.store) / "_state"
+    state.mkdir(parents=True, exist_ok=True)
+    log.info("reconciler every %.0fs, broker %s", interval_s, redact(url))
+    app.worker_main([
+        "worker", "-B", "-s", str(state / "celerybeat-schedule"), "-P", "threads", "-c", "1",
+        "-Q", RECONCILE_QUEUE, "-n", f"reconciler@{socket.gethostname()}", "-l", loglevel.upper(),
+        "--without-gossip", "--without-mingle",
+    ])
