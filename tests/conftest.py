@@ -153,6 +153,7 @@ def write_config(folder: Path, *, tokenizer: Path, datasets: list[dict], emulato
                   "[backends.cloudy]", f'base_url = "{emulator_url}/v1"', 'model = "vendor/model"',
                   'api_key_env = "DRAFTFLEET_TEST_KEY"', f"concurrency = {concurrency}", "price_input_per_mtok = 1.0",
                   "price_output_per_mtok = 2.0", "request_timeout_s = 10.0", "pause_s = 2.0", cloud_extra, ""]
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "fleet.toml"
     path.write_text("\n".join(lines).replace("True", "true").replace("False", "false"))
     return path
@@ -165,11 +166,12 @@ class Workers:
         self.folder = folder
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, config: Path, kind: str, *args: str, redis_url: str, env: dict | None = None) -> subprocess.Popen:
+    def start(self, config: Path, kind: str, *args: str, redis_url: str, env: dict | None = None,
+              cwd: Path | None = None) -> subprocess.Popen:
         log = open(self.folder / f"worker-{kind}-{len(self.procs)}.log", "wb")
         full_env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", kind, "--config", str(config), *args],
-                                env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                                env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or REPO)
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
