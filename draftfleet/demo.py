@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import samples
+from . import samples, status
 from .broker import EmbeddedRedis, connect
 from .schemas.config import load_config
 from .store import Store
@@ -93,16 +93,23 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
         app = make_app(url, cfg.fleet.visibility_timeout_s)
         r = connect(url)
         st = Store(cfg.fleet.store)
-        summaries = [enqueue_dataset(cfg, ds, app, r, st) for ds in cfg.datasets]
-        expected = {s.dataset: s.queued + s.already_done + s.already_queued for s in summaries}
-        console.print(f"demo: store {cfg.fleet.store}, emulator {emulator.url}, "
-                      f"{sum(s.queued for s in summaries)} prompts queued", highlight=False)
         env = {**os.environ, DEMO_KEY_ENV: api_key, "REDIS_URL": url}
         base = [sys.executable, "-m", "draftfleet", "worker"]
         for kind, extra in (("gpu", ["--url", emulator.url, "--inflight", "32"]), ("cloud", ["--backend", "openrouter"])):
             log = open(logs / f"{kind}.log", "wb")
             procs.append(subprocess.Popen([*base, kind, "--config", str(folder / "fleet.toml"), *extra],
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
+        console.print(f"demo: store {cfg.fleet.store}, emulator {emulator.url}; starting a GPU and a cloud worker",
+                      highlight=False)
+        # Both workers up before anything is queued, so each gets its share.
+        while len(status.worker_reports(r)) < len(procs):
+            if any(p.poll() is not None for p in procs) or time.monotonic() - started > timeout_s:
+                console.print(f"[red]demo failed: the workers did not start; logs in {logs}[/]")
+                return 1
+            time.sleep(0.2)
+        summaries = [enqueue_dataset(cfg, ds, app, r, st) for ds in cfg.datasets]
+        expected = {s.dataset: s.queued + s.already_done + s.already_queued for s in summaries}
+        console.print(f"demo: {sum(s.queued for s in summaries)} prompts queued", highlight=False)
         total = sum(expected.values())
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:

@@ -97,6 +97,7 @@ class ResponseRecord(msgspec.Struct, frozen=True, kw_only=True):
     attempts: int
     worker: str
     created_at: float
+    retry_reasons: list[str] = []
 
 
 class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -183,6 +183,7 @@ def test_length_is_kept_and_flagged_abort_is_retried(tmp_path, redis_server, tok
     aborts = emu.stats()["faults"].get("abort", 0)
     assert aborts > 0
     assert sum(r.attempts - 1 for r in records) == aborts
+    assert all(r.retry_reasons == ["abort"] * (r.attempts - 1) for r in records)
     events = {k.decode(): int(v) for k, v in redis_server.client().hgetall("draftfleet:events:ds").items()}
     assert events["retry:abort"] == aborts and events["truncated"] == len(truncated)
     assert not store.failures("ds")

@@ -243,8 +243,11 @@ def _fail(rt: Runtime, task: PromptTask, reason: str, detail: str, attempts: int
     return "failed"
 
 
-def _generate(rt: Runtime, task: PromptTask) -> tuple[Generation | None, int, float]:
-    """Run the backend with retries. Returns (generation or None if failed, attempts, latency)."""
+def _generate(rt: Runtime, task: PromptTask, reasons: list[str]) -> tuple[Generation | None, int, float]:
+    """Run the backend with retries (their reasons appended to ``reasons``).
+
+    Returns (the generation, or None if the prompt failed; attempts; latency of the last attempt).
+    """
     last: Transient | None = None
     started = time.monotonic()
     for attempt in range(1, rt.cfg.fleet.max_attempts + 1):
@@ -266,6 +269,7 @@ def _generate(rt: Runtime, task: PromptTask) -> tuple[Generation | None, int, fl
             log.exception("unexpected error generating %s", task.source)
             last = Transient("internal", f"{type(exc).__name__}: {exc}")
         rt.ledger.event(task.dataset, f"retry:{last.reason}")
+        reasons.append(last.reason)
         if attempt < rt.cfg.fleet.max_attempts:
             delay = backoff_s(attempt, last.retry_after)
             log.warning("%s %s: %s; retry %d in %.1fs", task.dataset, task.source, last, attempt, delay)
@@ -333,7 +337,8 @@ def execute(task_self, payload: object) -> str:
             return _count_existing(rt, task)
         if not _admit(rt, task):
             return "skipped"
-        gen, attempts, latency = _generate(rt, task)
+        reasons: list[str] = []
+        gen, attempts, latency = _generate(rt, task, reasons)
         if gen is None:
             return "failed"
         record = ResponseRecord(
@@ -343,7 +348,7 @@ def execute(task_self, payload: object) -> str:
             completion_tokens=len(gen.output_ids), finish_reason=gen.finish_reason, truncated=gen.truncated,
             backend=rt.backend.name, backend_kind=rt.backend.kind, model=gen.model, token_source=gen.token_source,
             usage=gen.usage, cost_usd=gen.cost_usd, cost_source=gen.cost_source, latency_s=round(latency, 4),
-            attempts=attempts, worker=rt.hostname, created_at=time.time(),
+            attempts=attempts, retry_reasons=reasons, worker=rt.hostname, created_at=time.time(),
         )
         if not _store(rt, record):
             return _count_existing(rt, task)

@@ -108,6 +108,9 @@ def run_worker(
     rt = Runtime(app, cfg, Store(cfg.fleet.store), connect(broker_url), backend, hostname, names, pause_s)
     install(rt)
     rt.start()
+    if server is not None:
+        # The supervisor gave up restarting SGLang: stop consuming rather than burn retries.
+        server.on_give_up = lambda reason: rt.pause("sglang_gave_up", reason)
     queues = rt.initial_queues()
     log.info("%s worker %s: %d in flight, queues %s, broker %s", kind, hostname, n, ",".join(queues), redact(broker_url))
     try:
