@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -28,13 +29,16 @@ def _config(args) -> FleetConfig:
     return cfg
 
 
-def _gpu_list(spec: str | None) -> list[int] | None:
-    if spec is None:
-        return None
-    try:
-        return [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--gpu {spec!r}: expected GPU indices like 0 or 0,1") from None
+def _worker_flags(args) -> list[str]:
+    """The flags of this worker command that each per-GPU child repeats (all but --gpu/--config)."""
+    flags = []
+    for name in ("redis_url", "store", "inflight", "loglevel"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    for ds in args.dataset or []:
+        flags += ["--dataset", ds]
+    return flags
 
 
 # -- enqueue -----------------------------------------------------------------------------------
@@ -57,7 +61,7 @@ def cmd_enqueue(args) -> int:
     def on_reject(rej) -> None:
         nonlocal shown
         if not args.json and shown < args.show_rejects:
-            err.print(f"[yellow]rejected[/] {rej.entry.message}", markup=True, highlight=False)
+            err.print(f"[yellow]rejected[/] {escape(rej.entry.message)}", highlight=False)
         shown += 1
 
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -72,7 +76,7 @@ def cmd_enqueue(args) -> int:
                                                  retry_failed=args.retry_failed,
                                                  on_row=lambda b=bar: progress.advance(b), on_reject=on_reject))
             except EnqueueError as exc:
-                err.print(f"[red]error[/]: {exc}", highlight=False)
+                err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
                 status = 1
     import msgspec
 
@@ -109,8 +113,24 @@ def cmd_worker(args) -> int:
         run_reconciler(cfg, redis_url=args.redis_url, interval_s=args.interval, metrics_port=args.metrics_port,
                        metrics_address=args.metrics_address, loglevel=args.loglevel)
         return 0
+    gpus = None
+    if args.kind == "gpu" and args.gpu is not None:
+        from .workers.launcher import gpu_groups
+
+        if cfg.sglang is None or cfg.sglang.launch is None:
+            raise ConfigError(f"{cfg.path}: --gpu needs [backends.sglang.launch] (model_path, tp, port_base)")
+        tp = cfg.sglang.launch.tp
+        try:
+            groups = gpu_groups(args.gpu, tp)
+        except ValueError as exc:
+            raise ConfigError(f"--gpu: {exc}") from None
+        if len(groups) > 1:
+            from .workers.worker import run_gpu_workers
+
+            return run_gpu_workers(cfg.path, groups, _worker_flags(args))
+        gpus = groups[0]
     run_worker(
-        cfg, args.kind, backend_name=args.backend, url=args.url, gpus=_gpu_list(args.gpu),
+        cfg, args.kind, backend_name=args.backend, url=args.url, gpus=gpus,
         slots=args.inflight or args.concurrency, datasets=args.dataset, redis_url=args.redis_url,
         name=args.name, loglevel=args.loglevel,
     )
@@ -185,7 +205,7 @@ def cmd_failures(args) -> int:
     for col in ("dataset", "source", "kind", "attempts", "reason"):
         table.add_column(col)
     for row in rows:
-        table.add_row(row["dataset"], row["source"], row["kind"], str(row["attempts"]), row["reason"][:80])
+        table.add_row(row["dataset"], escape(row["source"]), row["kind"], str(row["attempts"]), escape(row["reason"][:80]))
     out.print(table)
     return 0
 
@@ -341,7 +361,7 @@ def _print_inventory(invs) -> None:
             checks.append(f"decode->encode mismatch {100 * v.roundtrip_share:.1f}% of {v.roundtrip_checked} exact")
         out.print("validation: " + ", ".join(checks), highlight=False)
         for f in v.unreadable_files[:10]:
-            out.print(f"  [yellow]unreadable[/] {f}", highlight=False)
+            out.print(f"  [yellow]unreadable[/] {escape(f)}", highlight=False)
 
 
 def cmd_inventory(args) -> int:
@@ -435,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("kind", choices=["gpu", "cloud", "reconciler"])
     common(sp)
     sp.add_argument("--url", help="gpu: URL of a running SGLang server")
-    sp.add_argument("--gpu", help="gpu: launch SGLang on these GPUs (e.g. 0, or 0,1 for a TP group)")
+    sp.add_argument("--gpu", help="gpu: launch SGLang on these GPUs: 0; 0,1 for one TP group of tp=2; "
+                    "0-7 or all for one worker and server per group of [backends.sglang.launch].tp GPUs")
     sp.add_argument("--inflight", type=int, help="gpu: requests kept in flight (default [backends.sglang].inflight)")
     sp.add_argument("--backend", help="cloud: the [backends.NAME] table to use")
     sp.add_argument("--concurrency", type=int, help="cloud: requests in flight (default the backend's concurrency)")
@@ -552,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except ConfigError as exc:
-        err.print(f"[red]config error[/]: {exc}", highlight=False)
+        err.print(f"[red]config error[/]: {escape(str(exc))}", highlight=False)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -561,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         from .tokenizer import TokenizerError
 
         if isinstance(exc, (BrokerError, TokenizerError, OSError)):
-            err.print(f"[red]error[/]: {exc}", highlight=False)
+            err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
             return 1
         raise
 

@@ -123,3 +123,35 @@ def run_worker(
         backend.close()
         if server is not None:
             server.stop()
+
+
+def run_gpu_workers(config_path: str, groups: list[list[int]], argv_tail: list[str]) -> int:
+    """One ``worker gpu --gpu G`` process per GPU group (the default: one SGLang server per GPU).
+
+    Children are independent workers; SIGTERM/SIGINT here is passed on to each (warm shutdown),
+    and a child that exits is reported, not restarted (its SGLang supervisor already restarts the
+    server; a crashing worker needs a person).
+    """
+    import signal
+    import subprocess
+    import sys
+
+    procs = []
+    for g in groups:
+        cmd = [sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", config_path,
+               "--gpu", ",".join(map(str, g)), *argv_tail]
+        procs.append(subprocess.Popen(cmd))
+        log.info("started the worker for GPU(s) %s (pid %d)", ",".join(map(str, g)), procs[-1].pid)
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [p.wait() for p in procs]
+    for g, code in zip(groups, codes):
+        if code:
+            log.error("the worker for GPU(s) %s exited with %d", ",".join(map(str, g)), code)
+    return max(codes, default=0)
