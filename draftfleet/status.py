@@ -25,6 +25,7 @@ class WorkerRow(msgspec.Struct, kw_only=True):
     hostname: str
     kind: str
     backend: str
+    endpoint: str
     datasets: list[str]
     inflight: int
     slots: int
@@ -84,7 +85,8 @@ def snapshot(cfg: FleetConfig, r: redis.Redis) -> Snapshot:
     ledger = Ledger(r)
     reports = worker_reports(r)
     workers = [
-        WorkerRow(hostname=w["hostname"], kind=w["kind"], backend=w["backend"], datasets=w.get("datasets", []),
+        WorkerRow(hostname=w["hostname"], kind=w["kind"], backend=w["backend"], endpoint=w.get("endpoint", ""),
+                  datasets=w.get("datasets", []),
                   inflight=sum(w.get("inflight", {}).values()), slots=w.get("slots", 0), paused=w.get("paused"),
                   age_s=round(now - w.get("at", now), 1))
         for w in sorted(reports, key=lambda w: (w["kind"], w["hostname"]))
@@ -127,11 +129,12 @@ def _eta(seconds: float | None) -> str:
 
 def render(snap: Snapshot) -> Group:
     wt = Table(title="workers", title_justify="left")
-    for col in ("worker", "kind", "backend", "datasets", "in flight", "state"):
+    for col in ("worker", "kind", "backend", "server", "datasets", "in flight", "state"):
         wt.add_column(col, justify="right" if col == "in flight" else "left")
     for w in snap.workers:
         state = f"[red]paused: {w.paused}[/]" if w.paused else ("[yellow]stale[/]" if w.age_s > 60 else "ok")
-        wt.add_row(w.hostname, w.kind, w.backend, ",".join(w.datasets) or "-", f"{w.inflight}/{w.slots}", state)
+        wt.add_row(w.hostname, w.kind, w.backend, w.endpoint, ",".join(w.datasets) or "-", f"{w.inflight}/{w.slots}",
+                   state)
     dt = Table(title="datasets", title_justify="left")
     for col in ("dataset", "kinds", "queued", "in flight", "responses", "tokens", "budget", "", "tok/s 1m", "tok/s 10m", "ETA"):
         dt.add_column(col, justify="left" if col in ("dataset", "kinds", "") else "right")

@@ -59,6 +59,7 @@ class Backend(Protocol):
     name: str
     kind: BackendKind
     concurrency: int
+    endpoint: str  # the server URL or API base URL, shown by status (never holds a secret)
 
     def generate(self, task: PromptTask) -> Generation: ...
 

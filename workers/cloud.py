@@ -14,6 +14,7 @@ from __future__ import annotations
 import httpx
 import msgspec
 
+from ..broker import redact
 from ..http import make_client
 from ..schemas.config import CloudBackend
 from ..schemas.records import PromptTask, Usage
@@ -31,6 +32,7 @@ class CloudChat:
         self.name = name
         self.cfg = cfg
         self.concurrency = cfg.concurrency
+        self.endpoint = redact(cfg.base_url.rstrip("/"))
         self.tokenizer = tokenizer
         self._secret = api_key
         headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", **cfg.headers}

@@ -13,6 +13,7 @@ import time
 import httpx
 import msgspec
 
+from ..broker import redact
 from ..http import make_client
 from ..schemas.config import SGLangBackend as SGLangSettings
 from ..schemas.records import PromptTask, Usage
@@ -32,6 +33,7 @@ class SGLangClient:
     def __init__(self, url: str, settings: SGLangSettings, tokenizer: TargetTokenizer, *, inflight: int, name: str = "sglang"):
         self.name = name
         self.url = url.rstrip("/")
+        self.endpoint = redact(self.url)
         self.concurrency = inflight
         self.tokenizer = tokenizer
         self.client = make_client(

@@ -107,6 +107,7 @@ class Runtime:
                 pipe.expire(key, CLAIM_TTL_S)
             report = {
                 "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
+                "endpoint": self.backend.endpoint,
                 "datasets": sorted(self.allowed), "queues": sorted(self.consuming), "inflight": inflight,
                 "slots": self.backend.concurrency,
                 "paused": self.paused, "pid": os.getpid(), "at": time.time(),
