@@ -204,3 +204,14 @@ def workers(tmp_path):
 def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "draftfleet", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
+
+
+def parse_cli(command: list[str]):
+    """Parse ``draftfleet ARGS...`` with the real parser, as a test failure if any part is unknown."""
+    from draftfleet.cli import build_parser
+
+    assert command[0] == "draftfleet", command
+    try:
+        return build_parser().parse_args([str(c) for c in command[1:]])
+    except SystemExit:  # argparse's error exit: unknown subcommand, flag or choice (printed above)
+        raise AssertionError(f"`{' '.join(map(str, command))}` is not a valid draftfleet command") from None
