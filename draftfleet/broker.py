@@ -137,11 +137,18 @@ class EmbeddedRedis:
         return True
 
 
+def verified_tls(url: str) -> str:
+    """``rediss://`` with certificate checking on: kombu turns it off unless the URL asks for it."""
+    if url.startswith("rediss://") and "ssl_cert_reqs=" not in url:
+        return url + ("&" if "?" in url else "?") + "ssl_cert_reqs=required"
+    return url
+
+
 def resolve_redis_url(explicit: str | None, configured: str | None, store: str | Path | None) -> str:
     """The Redis URL to use; starts the store's embedded server when nothing else is given."""
     url = explicit or os.environ.get("REDIS_URL") or configured
     if url:
-        return url
+        return verified_tls(url)
     if store is None:
         raise BrokerError("no Redis: pass --redis-url, set REDIS_URL, or give a store for the embedded server")
     return EmbeddedRedis(Path(store) / "_redis").ensure()

@@ -186,3 +186,27 @@ class TestBroker:
         finally:
             assert emb.stop()
         assert emb.running_url() is None
+
+
+def test_rediss_urls_check_certificates():
+    from draftfleet.broker import verified_tls
+
+    assert verified_tls("rediss://:p@h:6380/0") == "rediss://:p@h:6380/0?ssl_cert_reqs=required"
+    assert verified_tls("rediss://h/0?ssl_cert_reqs=none") == "rediss://h/0?ssl_cert_reqs=none"
+    assert verified_tls("redis://h/0") == "redis://h/0"
+
+
+def test_a_second_live_worker_with_the_same_name_is_refused(redis_server):
+    import os
+
+    from draftfleet import redis_keys as rk
+    from draftfleet.schemas.config import ConfigError
+    from draftfleet.workers.worker import refuse_duplicate_name
+
+    r = redis_server.client()
+    refuse_duplicate_name(r, "cloud-x@host")  # nobody there
+    r.set(rk.worker_report("cloud-x@host"), msgspec.json.encode({"pid": 2**22 + 7}))
+    refuse_duplicate_name(r, "cloud-x@host")  # a report left by a dead worker
+    r.set(rk.worker_report("cloud-x@host"), msgspec.json.encode({"pid": os.getpid()}))
+    with pytest.raises(ConfigError, match="--name"):
+        refuse_duplicate_name(r, "cloud-x@host")

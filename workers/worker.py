@@ -12,6 +12,9 @@ import os
 import socket
 from collections.abc import Sequence
 
+import msgspec
+
+from .. import redis_keys as rk
 from ..broker import connect, redact, resolve_redis_url
 from ..schemas.config import ConfigError, FleetConfig
 from ..store import Store
@@ -49,6 +52,19 @@ def worker_datasets(cfg: FleetConfig, datasets: Sequence[str] | None) -> list[st
     return names
 
 
+def refuse_duplicate_name(r, hostname: str) -> None:
+    """Two live workers with one name would share a Celery identity and a status report."""
+    raw = r.get(rk.worker_report(hostname))
+    if raw is None:
+        return
+    pid = msgspec.json.decode(raw).get("pid")
+    try:
+        os.kill(int(pid), 0)
+    except (TypeError, ValueError, ProcessLookupError, PermissionError):
+        return  # a report left by a worker that is gone
+    raise ConfigError(f"a worker named {hostname} is already running (pid {pid}): give this one --name")
+
+
 def run_worker(
     cfg: FleetConfig,
     kind: str,
@@ -67,63 +83,72 @@ def run_worker(
     setup_logging(loglevel)
     broker_url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
     names = worker_datasets(cfg, datasets)
-    tokenizer = TargetTokenizer.from_config(cfg.fleet)
-    server = None
-    backend: Backend
     if kind == "gpu":
         if cfg.sglang is None:
             raise ConfigError(f"{cfg.path}: no [backends.sglang] table")
-        if gpus is not None:
-            from .launcher import SGLangServer, port_for
-
-            if cfg.sglang.launch is None:
-                raise ConfigError(f"{cfg.path}: --gpu needs [backends.sglang.launch] (model_path, tp, port_base)")
-            server = SGLangServer(cfg.sglang.launch, gpus, port=port_for(cfg.sglang.launch, gpus))
-            server.start(wait=True)
-            server.supervise()
-            url = server.url
-        if url is None:
+        if gpus is not None and cfg.sglang.launch is None:
+            raise ConfigError(f"{cfg.path}: --gpu needs [backends.sglang.launch] (model_path, tp, port_base)")
+        if gpus is None and url is None:
             if not cfg.sglang.urls:
                 raise ConfigError(f"{cfg.path}: backends.sglang.urls is empty: pass --url or --gpu")
             url = cfg.sglang.urls[0]
-        n = slots or cfg.sglang.inflight
         label = f"gpu{'-'.join(map(str, gpus))}" if gpus is not None else f"sglang-{url.rsplit(':', 1)[-1].strip('/')}"
-        backend = SGLangClient(url, cfg.sglang, tokenizer, inflight=n)
-        log.info("waiting for SGLang at %s", url)
-        backend.wait_ready(ready_timeout_s)
-        pause_s = 30.0
     elif kind == "cloud":
         if not backend_name:
             raise ConfigError("a cloud worker needs --backend NAME")
-        cb = cfg.cloud(backend_name)
-        n = slots or cb.concurrency
-        backend = CloudChat(backend_name, cb, tokenizer, cloud_api_key(cfg, backend_name))
+        cfg.cloud(backend_name)
         label = f"cloud-{backend_name}"
-        pause_s = cb.pause_s
     else:
         raise ConfigError(f"unknown worker kind {kind!r}")
     hostname = f"{name or label}@{socket.gethostname()}"
-    app = make_app(broker_url, cfg.fleet.visibility_timeout_s)
-    register(app)
-    rt = Runtime(app, cfg, Store(cfg.fleet.store), connect(broker_url), backend, hostname, names, pause_s)
-    install(rt)
-    rt.start()
-    if server is not None:
-        # The supervisor gave up restarting SGLang: stop consuming rather than burn retries.
-        server.on_give_up = lambda reason: rt.pause("sglang_gave_up", reason)
-    queues = rt.initial_queues()
-    log.info("%s worker %s: %d in flight, queues %s, broker %s", kind, hostname, n, ",".join(queues), redact(broker_url))
+    r = connect(broker_url)
+    refuse_duplicate_name(r, hostname)
+    tokenizer = TargetTokenizer.from_config(cfg.fleet)
+
+    server = None
+    backend: Backend | None = None
     try:
-        app.worker_main([
-            "worker", "-P", "threads", "-c", str(n), "-Q", ",".join(queues), "-n", hostname,
-            "-l", loglevel.upper(), "-E", "--without-gossip", "--without-mingle",
-        ])
+        if kind == "gpu":
+            if gpus is not None:
+                from .launcher import SGLangServer, port_for
+
+                server = SGLangServer(cfg.sglang.launch, gpus, port=port_for(cfg.sglang.launch, gpus))
+                server.start(wait=True)
+                server.supervise()
+                url = server.url
+            n = slots or cfg.sglang.inflight
+            backend = SGLangClient(url, cfg.sglang, tokenizer, inflight=n)
+            log.info("waiting for SGLang at %s", redact(url))
+            backend.wait_ready(ready_timeout_s)
+            pause_s = 30.0
+        else:
+            cb = cfg.cloud(backend_name)
+            n = slots or cb.concurrency
+            backend = CloudChat(backend_name, cb, tokenizer, cloud_api_key(cfg, backend_name))
+            pause_s = cb.pause_s
+        app = make_app(broker_url, cfg.fleet.visibility_timeout_s)
+        register(app)
+        rt = Runtime(app, cfg, Store(cfg.fleet.store), r, backend, hostname, names, pause_s)
+        install(rt)
+        rt.start()
+        if server is not None:
+            # The supervisor gave up restarting SGLang: stop consuming rather than burn retries.
+            server.on_give_up = lambda reason: rt.pause("sglang_gave_up", reason)
+        queues = rt.initial_queues()
+        log.info("%s worker %s: %d in flight, queues %s, broker %s", kind, hostname, n, ",".join(queues),
+                 redact(broker_url))
+        try:
+            app.worker_main([
+                "worker", "-P", "threads", "-c", str(n), "-Q", ",".join(queues), "-n", hostname,
+                "-l", loglevel.upper(), "-E", "--without-gossip", "--without-mingle",
+            ])
+        finally:
+            rt.stop()
     finally:
-        rt.stop()
-        backend.close()
+        if backend is not None:
+            backend.close()
         if server is not None:
             server.stop()
-
 
 def run_gpu_workers(config_path: str, groups: list[list[int]], argv_tail: list[str]) -> int:
     """One ``worker gpu --gpu G`` process per GPU group (the default: one SGLang server per GPU).
