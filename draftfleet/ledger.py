@@ -5,10 +5,17 @@ totals only if it was not there, so a redelivered task, or a worker that stored 
 before counting it (the next copy finds the record and counts it), never counts twice. The same
 script releases the key's budget reservation, so committed and reserved tokens move together.
 
-Budget admission: before generating, a task reserves the dataset's expected tokens per response.
-It is admitted while ``committed + reserved + expected/2 <= budget``; the first refusal closes the
-dataset (its queue is purged, later tasks are skipped). The expected final total is then within
-half a response of the budget, plus the spread of what was in flight.
+Budget admission, in two phases. Before generating, a task reserves the dataset's expected tokens
+(the running mean). (1) Tasks are admitted freely while committed + reserved + half a response
++ a safety margin (3 standard deviations of the length times the square root of what is in
+flight) stays within the budget. A response still running long after admission is a long one
+(short ones finish first, and lengths are heavy-tailed), so its reservation grows to twice the
+tokens one stream makes in that time, up to max_tokens.
+(2) Past that, closing rounds: each waits until nothing is in flight, then admits up to half of
+the room left; rounds shrink until less than one response fits, and the dataset closes (its
+queue is purged, later tasks are skipped). Waiting rounds have no stragglers to guess about, so
+the total lands within about one response of the budget. Reservations whose claim expired (a
+dead worker) are dropped on the spot.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ for _, h in ipairs({KEYS[2], KEYS[4]}) do
   redis.call('HINCRBY', h, 'cost_micro_usd', ARGV[4])
 end
 redis.call('HINCRBY', KEYS[3], 'cost_micro_usd', ARGV[4])
+redis.call('HINCRBY', KEYS[4], 'latency_ms', ARGV[6])
+redis.call('HINCRBY', KEYS[4], 'completion_tokens_sq', tonumber(ARGV[3]) * tonumber(ARGV[3]))
 redis.call('HINCRBY', KEYS[6], 'completion_tokens', ARGV[3])
 redis.call('HINCRBY', KEYS[6], 'responses', 1)
 redis.call('EXPIRE', KEYS[6], ARGV[5])
@@ -42,19 +51,61 @@ return 1
 _ADMIT = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 local committed = tonumber(redis.call('HGET', KEYS[1], 'completion_tokens') or '0')
-local reserved = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[2])) do reserved = reserved + tonumber(v) end
+local responses = tonumber(redis.call('HGET', KEYS[1], 'responses') or '0')
+local sq = tonumber(redis.call('HGET', KEYS[1], 'completion_tokens_sq') or '0')
+local latency_ms = tonumber(redis.call('HGET', KEYS[1], 'latency_ms') or '0')
+local per_stream = 0
+if latency_ms > 0 then per_stream = committed / latency_ms end  -- tokens per ms of one stream
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local reserved, live = 0, 0
+local held = redis.call('HGETALL', KEYS[2])
+for i = 1, #held, 2 do
+  if redis.call('EXISTS', ARGV[4] .. held[i]) == 1 then
+    local e, since = string.match(held[i + 1], '(%d+):(%d+)')
+    -- a response still running long after admission is a long one (lengths are heavy-tailed: the
+    -- longer it has run, the longer it will run): reserve twice what it has likely made so far
+    local made = per_stream * (now - tonumber(since))
+    reserved = reserved + math.min(tonumber(ARGV[5]), math.max(tonumber(e), 2 * made))
+    live = live + 1
+  else
+    redis.call('HDEL', KEYS[2], held[i])  -- its worker died: the claim expired
+  end
+end
 local budget = tonumber(ARGV[2])
 local expect = tonumber(ARGV[3])
-if committed + reserved + expect / 2 > budget then
+local function take()
+  redis.call('HSET', KEYS[2], ARGV[1], expect .. ':' .. now)
+end
+if redis.call('EXISTS', KEYS[4]) == 0 then
+  local var = expect * expect
+  if responses >= 5 then var = math.max(0, sq / responses - (committed / responses) ^ 2) end
+  local margin = 3 * math.sqrt(var) * math.sqrt(live + 1)
+  if committed + reserved + expect / 2 + margin <= budget then take() return 1 end
+  redis.call('HSET', KEYS[4], 'cap', 0, 'admitted', 0)  -- closing rounds start
+end
+local cap = tonumber(redis.call('HGET', KEYS[4], 'cap'))
+local admitted = tonumber(redis.call('HGET', KEYS[4], 'admitted'))
+if live > 0 then
+  if admitted + expect <= cap then
+    take()
+    redis.call('HINCRBY', KEYS[4], 'admitted', expect)
+    return 1
+  end
+  return 2
+end
+local room = budget - committed
+if room < expect then
   redis.call('SET', KEYS[3], ARGV[2])
+  redis.call('DEL', KEYS[4])
   return 0
 end
-redis.call('HSET', KEYS[2], ARGV[1], expect)
+redis.call('HSET', KEYS[4], 'cap', math.floor(math.max(room / 2, expect)), 'admitted', expect)
+take()
 return 1
 """
 
-ADMITTED, REFUSED, CLOSED = 1, 0, -1
+ADMITTED, WAIT, REFUSED, CLOSED = 1, 2, 0, -1
 
 
 def micro_usd(cost: float) -> int:
@@ -79,7 +130,8 @@ class Ledger:
             keys=[rk.counted_set(record.dataset), rk.totals(record.dataset, record.backend), rk.spend(record.backend),
                   rk.dataset_totals(record.dataset), rk.reservations(record.dataset),
                   rk.rate(record.dataset, record.backend, bucket)],
-            args=[record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd), RATE_KEEP_S],
+            args=[record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd), RATE_KEEP_S,
+                  int(getattr(record, "latency_s", 0.0) * 1000)],
         )
         return bool(added)
 
@@ -98,11 +150,12 @@ class Ledger:
             return max(1, round(t["completion_tokens"] / t["responses"]))
         return max(1, max_tokens // 2)
 
-    def admit(self, dataset: str, key: str, budget: int, expected: int) -> int:
-        """ADMITTED (reservation held), REFUSED (this call closed the dataset) or CLOSED."""
+    def admit(self, dataset: str, key: str, budget: int, expected: int, max_tokens: int) -> int:
+        """ADMITTED (reservation held), WAIT (no room unless what is in flight comes in short),
+        REFUSED (this call closed the dataset) or CLOSED. Needs the task's claim to be held."""
         return int(self._admit(
-            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset)],
-            args=[key, budget, expected],
+            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset)],
+            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens],
         ))
 
     def release(self, dataset: str, key: str) -> None:
@@ -114,10 +167,11 @@ class Ledger:
         return int(v) if v is not None else None
 
     def reopen(self, dataset: str) -> None:
-        self.r.delete(rk.closed(dataset))
+        self.r.delete(rk.closed(dataset), rk.closing(dataset))
 
     def reserved(self, dataset: str) -> int:
-        return sum(int(v) for v in self.r.hvals(rk.reservations(dataset)))
+        """Expected tokens of what is in flight (as admitted, before any growth with time)."""
+        return sum(int(v.split(b":")[0]) for v in self.r.hvals(rk.reservations(dataset)))
 
     # -- reading ---------------------------------------------------------------------------
     def spend_usd(self, backend: str) -> float:

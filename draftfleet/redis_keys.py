@@ -57,6 +57,11 @@ def closed(dataset: str) -> str:
     return f"{PREFIX}closed:{dataset}"
 
 
+def closing(dataset: str) -> str:
+    """Hash of a dataset's closing round (cap, admitted) once its budget is nearly reached."""
+    return f"{PREFIX}closing:{dataset}"
+
+
 def rate(dataset: str, backend: str, bucket: int) -> str:
     """Completion tokens stored in one 10-second bucket (expires): tokens per second for status."""
     return f"{PREFIX}rate:{dataset}:{backend}:{bucket}"
@@ -81,6 +86,8 @@ def events(dataset: str) -> str:
 
 
 DEAD_LETTER = f"{PREFIX}dead_letter"
+# Held (SET NX EX) by the worker sweeping ``unacked`` for a dead worker's messages (recovery.py).
+RECOVERY_LOCK = f"{PREFIX}recovery_lock"
 WORKERS = f"{PREFIX}workers"
 
 

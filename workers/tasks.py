@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import redis
@@ -22,22 +23,34 @@ from celery.exceptions import Reject
 
 from .. import redis_keys as rk
 from ..assign import assigned
-from ..ledger import ADMITTED, REFUSED, Ledger
+from ..ledger import ADMITTED, REFUSED, WAIT, Ledger
+from ..recovery import Recovery
 from ..schemas.config import FleetConfig
-from ..schemas.records import DeadLetter, FailureRecord, PromptTask, ResponseRecord
+from ..schemas.records import FailureRecord, PromptTask, ResponseRecord
 from ..store import Store, StoreError, check_key, check_name
 from .backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
-from .sglang import ServerDown
+from .poison import dead_letter
+from .sglang import ServerDown, SGLangClient
 
 log = logging.getLogger("draftfleet.worker")
 
-CLAIM_TTL_S = 120
-HEARTBEAT_S = 20
+# A claim outlives its holder by at most CLAIM_TTL_S; the heartbeat refreshes it six times in that.
+# DRAFTFLEET_CLAIM_TTL_S shortens it (the fault tests); the dead worker's messages come back then.
+CLAIM_TTL_S = max(6, int(os.environ.get("DRAFTFLEET_CLAIM_TTL_S", "120")))
+HEARTBEAT_S = CLAIM_TTL_S / 6
 ASSIGNMENT_POLL_S = 1.0
+ADMISSION_WAIT_S = 0.25
 IDLE_QUEUE = rk.QUEUE_PREFIX + "_idle"
 STORE_ATTEMPTS = 8
+INFRA_RETRY_S = 5.0
 
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+_REFRESH = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
 
 
 class Runtime:
@@ -57,6 +70,8 @@ class Runtime:
         self.pause_s = pause_s
         self.token = f"{hostname}:{os.getpid()}"
         self._release = r.register_script(_RELEASE)
+        self._refresh = r.register_script(_REFRESH)
+        self.recovery = Recovery(r, store, grace_s=CLAIM_TTL_S)
         self._lock = threading.Lock()
         self._claims: set[str] = set()
         self.inflight: dict[str, int] = {}
@@ -103,8 +118,8 @@ class Runtime:
             inflight = {d: n for d, n in self.inflight.items() if n}
         try:
             pipe = self.r.pipeline(transaction=False)
-            for key in claims:
-                pipe.expire(key, CLAIM_TTL_S)
+            for key in claims:  # re-created if Redis lost it, never taken from another holder
+                self._refresh(keys=[key], args=[self.token, CLAIM_TTL_S], client=pipe)
             report = {
                 "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
                 "endpoint": self.backend.endpoint,
@@ -112,10 +127,19 @@ class Runtime:
                 "slots": self.backend.concurrency,
                 "paused": self.paused, "pid": os.getpid(), "at": time.time(),
             }
-            pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=3 * HEARTBEAT_S)
+            pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
             pipe.execute()
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
+            return
+        try:
+            found = self.recovery.maybe_sweep(self.token, HEARTBEAT_S)
+        except (redis.RedisError, OSError, StoreError) as exc:
+            log.warning("looking for a dead worker's messages failed: %s", exc)
+            return
+        if found and (found.restored or found.dropped):
+            log.warning("a dead worker's messages: %d given back to their queues, %d already stored (dropped)",
+                        found.restored, found.dropped)
 
     def start(self) -> None:
         self.heartbeat()
@@ -158,21 +182,26 @@ class Runtime:
             log.warning("no longer consuming %s", q)
             consumer.call_soon(consumer.cancel_task_queue, q)
 
-    def pause(self, reason: str, detail: str) -> None:
-        """Stop consuming (tasks stay queued), and try again after ``pause_s``."""
+    def pause(self, reason: str, detail: str, ready: Callable[[], bool] | None = None) -> None:
+        """Stop consuming (tasks stay queued); try again after ``pause_s``, or once ``ready()``."""
         with self._lock:
             if self.paused:
                 return
             self.paused = reason
         banner = "=" * 72
         log.error("%s\nSTOPPED CONSUMING %s: %s\n%s\nTasks stay queued; nothing is marked failed. "
-                  "Retrying in %.0fs.\n%s", banner, ", ".join(sorted(self.consuming)), reason, detail,
-                  self.pause_s, banner)
+                  "Retrying in %.0fs%s.\n%s", banner, ", ".join(sorted(self.consuming)), reason, detail,
+                  self.pause_s, ", or as soon as the server answers" if ready else "", banner)
         self.sync()
         self.heartbeat()
-        timer = threading.Timer(self.pause_s, self.resume)
-        timer.daemon = True
-        timer.start()
+        threading.Thread(target=self._wait_to_resume, args=(ready,), name="draftfleet-pause", daemon=True).start()
+
+    def _wait_to_resume(self, ready: Callable[[], bool] | None) -> None:
+        deadline = time.monotonic() + self.pause_s
+        while time.monotonic() < deadline and not (ready is not None and ready()):
+            if self._stop.wait(min(1.0, self.pause_s)):
+                return
+        self.resume()
 
     def resume(self) -> None:
         with self._lock:
@@ -207,11 +236,12 @@ def runtime() -> Runtime:
 
 
 # -- the task --------------------------------------------------------------------------------
+def _queue(task_self) -> str:
+    return (task_self.request.delivery_info or {}).get("routing_key", "?")
+
+
 def _dead_letter(rt: Runtime, payload: object, reason: str, queue: str) -> str:
-    preview = msgspec.json.encode(payload).decode(errors="replace")[:2000] if payload is not None else ""
-    entry = DeadLetter(queue=queue, reason=reason, body_preview=preview, received_at=time.time(), worker=rt.hostname)
-    rt.r.lpush(rk.DEAD_LETTER, msgspec.json.encode(entry))
-    log.error("dead-lettered a message from %s: %s", queue, reason)
+    dead_letter(rt.r, queue=queue, reason=reason, body=payload, worker=rt.hostname)
     return "dead_letter"
 
 
@@ -231,6 +261,7 @@ def _defer(task_self, task: PromptTask) -> str:
         rk.TASK_NAME, args=[msgspec.to_builtins(later)], queue=rk.queue(task.dataset),
         task_id=task.key, countdown=min(60, 5 * 2 ** min(task.deferrals, 4)),
     )
+    runtime().ledger.event(task.dataset, "deferred:claimed")
     return "deferred"
 
 
@@ -278,7 +309,7 @@ def _generate(rt: Runtime, task: PromptTask, reasons: list[str]) -> tuple[Genera
     assert last is not None
     if isinstance(last, ServerDown):
         # The server is gone, not the prompt: keep the task queued for when it is back.
-        rt.pause("server_down", str(last))
+        rt.pause("server_down", str(last), ready=rt.backend.healthy if isinstance(rt.backend, SGLangClient) else None)
         raise Reject("server down", requeue=True)
     _fail(rt, task, last.reason, str(last), rt.cfg.fleet.max_attempts)
     return None, rt.cfg.fleet.max_attempts, time.monotonic() - started
@@ -299,14 +330,24 @@ def _store(rt: Runtime, record: ResponseRecord) -> bool:
 
 
 def _admit(rt: Runtime, task: PromptTask) -> bool:
-    """Reserve the dataset's expected tokens; False once its budget is reached (task skipped)."""
+    """Reserve the dataset's expected tokens; False once its budget is reached (task skipped).
+
+    Near the budget a task waits here (holding its slot, its message unacked) until what is in
+    flight settles: then it is admitted, or the dataset closes.
+    """
     budget = rt.budgets.get(task.dataset)
     if budget is None:
         return True
-    expected = rt.ledger.expected_tokens(task.dataset, task.settings.max_tokens)
-    verdict = rt.ledger.admit(task.dataset, task.key, budget, expected)
-    if verdict == ADMITTED:
-        return True
+    while True:
+        expected = rt.ledger.expected_tokens(task.dataset, task.settings.max_tokens)
+        verdict = rt.ledger.admit(task.dataset, task.key, budget, expected, task.settings.max_tokens)
+        if verdict == ADMITTED:
+            return True
+        if verdict != WAIT:
+            break
+        if rt.paused:
+            raise Reject(f"worker paused: {rt.paused}", requeue=True)
+        time.sleep(ADMISSION_WAIT_S)
     if verdict == REFUSED:
         purged = rt.r.llen(rk.queue(task.dataset))
         rt.r.delete(rk.queue(task.dataset))
@@ -319,7 +360,7 @@ def _admit(rt: Runtime, task: PromptTask) -> bool:
 def execute(task_self, payload: object) -> str:
     """Body of the Celery task; returns what happened (``stored``, ``duplicate``, ``failed``...)."""
     rt = runtime()
-    queue = (task_self.request.delivery_info or {}).get("routing_key", "?")
+    queue = _queue(task_self)
     try:
         task = msgspec.convert(payload, PromptTask)
         check_name(task.dataset)
@@ -373,5 +414,18 @@ def register(app: Celery) -> None:
             _runtime.attach(sender)
 
     @app.task(name=rk.TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-    def generate(self, payload):
-        return execute(self, payload)
+    def generate(self, *args, **kwargs):
+        rt = runtime()
+        try:
+            if len(args) != 1 or kwargs:
+                return _dead_letter(rt, [list(args), kwargs], "not a valid task: expected one argument, the prompt",
+                                    _queue(self))
+            return execute(self, args[0])
+        except (redis.RedisError, OSError, StoreError) as exc:
+            # Redis or the store failed outside the retries. Celery would record a failure and
+            # acknowledge: the prompt goes back to its queue instead, after a pause so that a
+            # lasting fault does not spin.
+            log.error("%s: %s: %s; the task goes back to its queue in %.0fs", _queue(self), type(exc).__name__, exc,
+                      INFRA_RETRY_S)
+            time.sleep(INFRA_RETRY_S)
+            raise Reject(f"{type(exc).__name__}: {exc}", requeue=True) from None
