@@ -11,8 +11,12 @@ not survive decode -> encode unchanged. Tokens are counted as the seed's script 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import os
 from collections import Counter, defaultdict
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
@@ -23,6 +27,7 @@ from .tokenizer import TargetTokenizer
 
 _decode = msgspec.json.Decoder(ResponseRecord).decode
 _msg_encoder = msgspec.json.Encoder()
+PARALLEL_FROM = 5000  # files; below this a process pool costs more than it saves
 
 
 class Split(msgspec.Struct, kw_only=True):
@@ -71,6 +76,82 @@ def _prompt_hash(rec: ResponseRecord) -> str:
     return hashlib.sha1(_msg_encoder.encode([rec.settings_id, rec.messages])).hexdigest()
 
 
+def _vocab_decoder(vocab_size: int):
+    """A decoder of ResponseRecord whose output_ids must lie in [0, vocab_size): the check runs
+    inside msgspec's decoding instead of a Python pass over every id."""
+    fields = []
+    for f in msgspec.structs.fields(ResponseRecord):
+        typ = list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]] if f.name == "output_ids" else f.type
+        default = f.default if f.default is not msgspec.NODEFAULT else (
+            msgspec.field(default_factory=f.default_factory) if f.default_factory is not msgspec.NODEFAULT
+            else msgspec.NODEFAULT)
+        fields.append((f.name, typ) if default is msgspec.NODEFAULT else (f.name, typ, default))
+    checked = msgspec.defstruct("CheckedRecord", fields, kw_only=True, frozen=True)
+    return msgspec.json.Decoder(checked).decode
+
+
+class _Partial(msgspec.Struct):
+    """What one process found in its share of the files; merged by :func:`inventory_dataset`."""
+
+    splits: dict[str, Split]
+    prompts: dict[str, int]
+    truncated: int = 0
+    out_of_vocab: int = 0
+    stop_without_eot: int = 0
+    schema_errors: int = 0
+    unreadable: list[str] = []
+    sample: list[list[int]] = []
+
+
+def _scan(paths: list[str], vocab_size: int | None, eot_id: int | None, sample_records: int,
+          sample_tokens: int) -> _Partial:
+    checked = _vocab_decoder(vocab_size) if vocab_size else None
+    part = _Partial(splits={}, prompts={})
+    sampled_tokens = 0
+    for path in paths:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            part.schema_errors += 1
+            part.unreadable.append(f"{path}: {exc.strerror or exc}")
+            continue
+        try:
+            rec = checked(data) if checked else _decode(data)
+        except msgspec.ValidationError as exc:
+            if checked is None or "output_ids" not in str(exc):
+                part.schema_errors += 1
+                part.unreadable.append(f"{path}: schema: {exc}")
+                continue
+            part.out_of_vocab += 1
+            rec = _decode(data)
+        except msgspec.DecodeError as exc:
+            part.schema_errors += 1
+            part.unreadable.append(f"{path}: {exc}")
+            continue
+        label = f"{rec.backend}\x00{rec.backend_kind}\x00{rec.token_source}"
+        sp = part.splits.get(label)
+        if sp is None:
+            sp = part.splits[label] = Split(backend=rec.backend, backend_kind=rec.backend_kind,
+                                            token_source=rec.token_source)
+        sp.responses += 1
+        sp.completion_tokens += record_tokens(rec)
+        sp.prompt_tokens += rec.prompt_tokens
+        sp.cost_usd += rec.cost_usd
+        h = _prompt_hash(rec)
+        part.prompts[h] = part.prompts.get(h, 0) + 1
+        part.truncated += rec.truncated
+        ids = rec.output_ids
+        if eot_id is not None and ids and rec.finish_reason == "stop" and ids[-1] != eot_id:
+            part.stop_without_eot += 1
+        if (eot_id is not None and rec.token_source == "exact" and ids and len(part.sample) < sample_records
+                and sampled_tokens < sample_tokens):
+            body = ids[:-1] if ids[-1] == eot_id else ids
+            part.sample.append(body)
+            sampled_tokens += len(body)
+    return part
+
+
 def inventory_dataset(
     store: Store,
     dataset: str,
@@ -79,52 +160,50 @@ def inventory_dataset(
     prices: dict[str, tuple[float, float]],
     tokenizer: TargetTokenizer | None,
     roundtrip_sample: int = 500,
+    roundtrip_tokens: int = 200_000,
+    processes: int | None = None,
 ) -> DatasetInventory:
-    splits: dict[tuple[str, str, str], Split] = {}
-    v = Validation(ids_out_of_vocab=0 if tokenizer else None, stop_without_eot=0 if tokenizer else None)
-    unreadable: list[str] = []
+    """One dataset's inventory. Large stores are read by a process per core, split by file."""
+    paths = store.record_files(dataset)
+    vocab = tokenizer.vocab_size if tokenizer else None
+    eot = tokenizer.eot_id if tokenizer else None
+    n = processes or (min(os.cpu_count() or 1, 8) if len(paths) >= PARALLEL_FROM else 1)
+    if n > 1:
+        chunks = [paths[i::n] for i in range(n)]
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(n, mp_context=ctx) as pool:
+            parts = list(pool.map(_scan, chunks, [vocab] * n, [eot] * n, [roundtrip_sample // n + 1] * n,
+                                  [roundtrip_tokens // n + 1] * n))
+    else:
+        parts = [_scan(paths, vocab, eot, roundtrip_sample, roundtrip_tokens)]
+
+    splits: dict[str, Split] = {}
     prompts: Counter[str] = Counter()
-    exact: list[ResponseRecord] = []
-    for path in store.record_paths(dataset):
-        try:
-            rec = _decode(path.read_bytes())
-        except msgspec.ValidationError as exc:
-            v.schema_errors += 1
-            unreadable.append(f"{path}: schema: {exc}")
-            continue
-        except (OSError, msgspec.DecodeError) as exc:
-            v.schema_errors += 1
-            unreadable.append(f"{path}: {exc}")
-            continue
-        s = splits.get((rec.backend, rec.backend_kind, rec.token_source))
-        if s is None:
-            s = splits[(rec.backend, rec.backend_kind, rec.token_source)] = Split(
-                backend=rec.backend, backend_kind=rec.backend_kind, token_source=rec.token_source)
-        s.responses += 1
-        s.completion_tokens += record_tokens(rec)
-        s.prompt_tokens += rec.prompt_tokens
-        s.cost_usd += rec.cost_usd
-        prompts[_prompt_hash(rec)] += 1
-        v.truncated += rec.truncated
-        if tokenizer is not None and rec.output_ids:
-            if min(rec.output_ids) < 0 or max(rec.output_ids) >= tokenizer.vocab_size:
-                v.ids_out_of_vocab += 1
-            if rec.finish_reason == "stop" and rec.output_ids[-1] != tokenizer.eot_id:
-                v.stop_without_eot += 1
-        if rec.token_source == "exact" and rec.output_ids and len(exact) < roundtrip_sample:
-            exact.append(rec)
-    v.unreadable_files = unreadable[:50]
-    v.duplicate_prompts = sum(n - 1 for n in prompts.values() if n > 1)
-    if tokenizer is not None and exact:
-        for rec in exact:
-            ids = rec.output_ids[:-1] if rec.output_ids[-1] == tokenizer.eot_id else rec.output_ids
-            try:
-                again = tokenizer.encode_text(tokenizer.decode(ids))
-            except Exception:  # a tokenizer that refuses the text counts as a mismatch
-                again = None
-            v.roundtrip_mismatch += again != ids
-        v.roundtrip_checked = len(exact)
-        v.roundtrip_share = round(v.roundtrip_mismatch / len(exact), 4)
+    v = Validation(ids_out_of_vocab=0 if tokenizer else None, stop_without_eot=0 if tokenizer else None)
+    sample: list[list[int]] = []
+    for part in parts:
+        for label, sp in part.splits.items():
+            acc = splits.setdefault(label, Split(backend=sp.backend, backend_kind=sp.backend_kind,
+                                                 token_source=sp.token_source))
+            acc.responses += sp.responses
+            acc.completion_tokens += sp.completion_tokens
+            acc.prompt_tokens += sp.prompt_tokens
+            acc.cost_usd += sp.cost_usd
+        prompts.update(part.prompts)
+        v.truncated += part.truncated
+        v.schema_errors += part.schema_errors
+        v.unreadable_files.extend(part.unreadable)
+        if tokenizer:
+            v.ids_out_of_vocab += part.out_of_vocab
+            v.stop_without_eot += part.stop_without_eot
+        sample.extend(part.sample)
+    v.unreadable_files = sorted(v.unreadable_files)[:50]
+    v.duplicate_prompts = sum(c - 1 for c in prompts.values() if c > 1)
+    if tokenizer is not None and sample:
+        sample = sample[:roundtrip_sample]
+        v.roundtrip_checked = len(sample)
+        v.roundtrip_mismatch = tokenizer.roundtrip_mismatches(sample)
+        v.roundtrip_share = round(v.roundtrip_mismatch / len(sample), 4)
 
     by_source = sorted(splits.values(), key=lambda s: (s.backend_kind, s.backend, s.token_source))
     responses = sum(s.responses for s in by_source)
@@ -152,6 +231,7 @@ def run_inventory(
     datasets: list[str] | None = None,
     tokenizer: TargetTokenizer | None = None,
     roundtrip_sample: int = 500,
+    processes: int | None = None,
 ) -> list[DatasetInventory]:
     """Inventory of each dataset; budgets and prices from the config, else from the manifests."""
     store = Store(store_root)
@@ -165,7 +245,7 @@ def run_inventory(
             manifest = store.manifest(name)
             budget = manifest.budget_tokens if manifest else None
         out.append(inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,
-                                     roundtrip_sample=roundtrip_sample))
+                                     roundtrip_sample=roundtrip_sample, processes=processes))
     return out
 
 

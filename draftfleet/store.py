@@ -49,6 +49,12 @@ def check_key(key: str) -> str:
     return key
 
 
+def _why(exc: OSError) -> str:
+    """The OS error, with the path it is about (a shard folder, a temp file), when it names one."""
+    what = exc.strerror or str(exc)
+    return f"{exc.filename}: {what}" if exc.filename else what
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -101,7 +107,7 @@ class Store:
                 os.unlink(tmp)
             _fsync_dir(final.parent)
         except OSError as exc:
-            raise StoreError(f"cannot write {final}: {exc.strerror or exc}") from exc
+            raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
         return True
 
     def get(self, dataset: str, key: str) -> ResponseRecord:
@@ -130,6 +136,17 @@ class Store:
                 for name in sorted(os.listdir(shard.path)):
                     if name.endswith(".json") and not name.startswith("."):
                         yield Path(shard.path) / name
+
+    def record_files(self, dataset: str) -> list[str]:
+        """Paths (as strings: cheaper than Path objects by the 100,000) of every record, unsorted."""
+        base = self.root / check_name(dataset)
+        if not base.is_dir():
+            return []
+        out = []
+        for shard in os.scandir(base):
+            if shard.is_dir() and len(shard.name) == 2:
+                out.extend(e.path for e in os.scandir(shard.path) if e.name.endswith(".json") and not e.name.startswith("."))
+        return out
 
     def records(self, dataset: str) -> Iterator[ResponseRecord]:
         for p in self.record_paths(dataset):
@@ -166,7 +183,7 @@ class Store:
             tmp = _write_temp(final.parent, _encoder.encode(failure))
             os.replace(tmp, final)
         except OSError as exc:
-            raise StoreError(f"cannot write {final}: {exc.strerror or exc}") from exc
+            raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
 
     def failures(self, dataset: str) -> list[FailureRecord]:
         base = self.root / "_failures" / check_name(dataset)
