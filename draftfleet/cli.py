@@ -542,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--dataset", "-d", action="append")
     sp.add_argument("--tokenizer", help="tokenizer folder for the validation (default [fleet].tokenizer)")
-    sp.add_argument("--roundtrip-sample", type=int, default=500, help="exact records checked decode->encode")
+    sp.add_argument("--roundtrip-sample", type=int, default=200,
+                    help="exact records checked decode->encode (at most 100k tokens of them; 0: skip)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_inventory)
 

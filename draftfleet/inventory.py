@@ -159,8 +159,8 @@ def inventory_dataset(
     budget: int | None,
     prices: dict[str, tuple[float, float]],
     tokenizer: TargetTokenizer | None,
-    roundtrip_sample: int = 500,
-    roundtrip_tokens: int = 200_000,
+    roundtrip_sample: int = 200,
+    roundtrip_tokens: int = 100_000,
     processes: int | None = None,
 ) -> DatasetInventory:
     """One dataset's inventory. Large stores are read by a process per core, split by file."""
@@ -199,8 +199,8 @@ def inventory_dataset(
         sample.extend(part.sample)
     v.unreadable_files = sorted(v.unreadable_files)[:50]
     v.duplicate_prompts = sum(c - 1 for c in prompts.values() if c > 1)
+    sample = sample[:roundtrip_sample]
     if tokenizer is not None and sample:
-        sample = sample[:roundtrip_sample]
         v.roundtrip_checked = len(sample)
         v.roundtrip_mismatch = tokenizer.roundtrip_mismatches(sample)
         v.roundtrip_share = round(v.roundtrip_mismatch / len(sample), 4)
@@ -230,7 +230,7 @@ def run_inventory(
     cfg: FleetConfig | None = None,
     datasets: list[str] | None = None,
     tokenizer: TargetTokenizer | None = None,
-    roundtrip_sample: int = 500,
+    roundtrip_sample: int = 200,
     processes: int | None = None,
 ) -> list[DatasetInventory]:
     """Inventory of each dataset; budgets and prices from the config, else from the manifests."""
