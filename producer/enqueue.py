@@ -4,6 +4,11 @@ Resume is the default and needs no state of its own: a key is skipped when the s
 result, when it is already queued or held by a worker (read from Redis itself), or when it failed
 before (unless ``retry_failed``). Running enqueue twice, or again after Redis lost everything,
 queues exactly what is missing. A dataset's manifest pins the settings its keys were made with.
+
+Sending is the costly part of a large enqueue (bench/enqueue.py): messages are built by Celery
+itself, with the key as task id, and go out through one kombu publish batch, a non-transactional
+Redis pipeline, so a hundred commands share one round trip. A run that dies mid-batch loses only
+messages not yet sent, which a re-run queues.
 """
 
 from __future__ import annotations
@@ -24,6 +29,44 @@ from ..schemas.config import DatasetConfig, FleetConfig
 from ..schemas.records import DatasetManifest, Message, PromptTask
 from ..store import Store
 from .readers import PromptRow, Rejection, read_prompts
+
+
+PUBLISH_BATCH = 100
+"""Redis commands per pipeline round trip (a message and its task-sent event are two): as fast
+as 1,000 for a large file, and the first messages reach a waiting worker ~70 ms sooner."""
+
+
+class TaskSender:
+    """Publishes generate tasks to one queue as Celery's ``send_task`` does, at under half its cost.
+
+    The message is Celery's own (``amqp.create_task_message``: protocol 2, the app's serializer,
+    delivery mode and compression) and so is the task-sent event Flower reads. What is left out
+    is per-call work that gives the same answer every time: routing the queue name, declaring the
+    queue (done once here), and the ``saferepr`` of the whole payload for ``argsrepr`` (the
+    caller passes a short one that names the prompt). Publishes go through ``producer``, so an
+    open ``producer.batch()`` buffers them.
+    """
+
+    def __init__(self, app: Celery, producer, queue: str):
+        conf = app.conf
+        self._amqp = app.amqp
+        self._producer = producer
+        self._queue = queue
+        self._reply_to = app.thread_oid
+        self._publish = {"exchange": "", "routing_key": queue, "serializer": conf.task_serializer,
+                         "compression": conf.task_compression, "delivery_mode": conf.task_default_delivery_mode}
+        self._events = app.events.Dispatcher(producer.connection, enabled=False) if conf.task_send_sent_event else None
+        producer.maybe_declare(app.amqp.queues[queue])
+
+    def send(self, task_id: str, payload: object, argsrepr: str) -> None:
+        headers, properties, body, sent = self._amqp.create_task_message(
+            task_id, rk.TASK_NAME, [payload], None, argsrepr=argsrepr, kwargsrepr="{}", reply_to=self._reply_to,
+            ignore_result=None, create_sent_event=self._events is not None,
+        )
+        self._producer.publish(body, headers=headers, **self._publish, **properties)
+        if self._events is not None:
+            sent.update(queue=self._queue, exchange="", routing_key=self._queue)
+            self._events.publish("task-sent", sent, self._producer)
 
 
 class EnqueueError(RuntimeError):
@@ -109,7 +152,9 @@ def enqueue_dataset(
     kinds: Counter[str] = Counter()
     rejects = []
     queue = rk.queue(ds.name)
-    with app.producer_or_acquire() as producer:
+    retried: list[str] = []
+    with app.producer_or_acquire() as producer, producer.batch(max_size=PUBLISH_BATCH):
+        sender = TaskSender(app, producer, queue)
         for item in read_prompts(ds):
             if on_row:
                 on_row()
@@ -142,10 +187,12 @@ def enqueue_dataset(
                 settings=manifest.settings, settings_id=manifest.settings_id, enqueued_at=time.time(),
             )
             # The task id is the key: queued keys can then be read from message headers alone.
-            app.send_task(rk.TASK_NAME, args=[msgspec.to_builtins(task)], queue=queue, task_id=key, producer=producer)
+            sender.send(key, msgspec.to_builtins(task), argsrepr=f"[{item.source!r}]")
             if key in failed:
-                store.clear_failure(ds.name, key)
+                retried.append(key)
             summary.queued += 1
+    for key in retried:  # only once their messages are in Redis
+        store.clear_failure(ds.name, key)
     store.quarantine(ds.name, rejects)
     summary.rejected = sum(kinds.values())
     summary.rejected_by_kind = dict(kinds)

@@ -1,0 +1,137 @@
+"""``python -m bench [NAME ...]``: run the benchmarks and write BENCHMARKS.md.
+
+With no names every benchmark runs and the report goes to ``BENCHMARKS.md`` at the repo root;
+with names only those run, and the report goes to stdout unless ``--out`` says otherwise.
+Sizes are flags; the defaults finish in a few minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import enqueue, inventory, overhead, report, retokenize, saturation
+from .env import REPO, Section, fresh_dir, machine
+
+NAMES = ("saturation", "overhead", "inventory", "retokenize", "enqueue")
+# The flags that shape each benchmark, so that each section can print the command that reruns it.
+FLAGS = {
+    "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
+    "overhead": ("overhead_tasks", "overhead_inflight"),
+    "inventory": ("inventory_b3", "inventory_large", "repeats"),
+    "retokenize": ("retok_answers", "retok_mean", "retok_batch", "repeats"),
+    "enqueue": ("enqueue_prompts",),
+}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _size(text: str) -> tuple[int, float]:
+    n, _, mean = text.partition(":")
+    return int(n), float(mean)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(NAMES)} (default: all)")
+    p.add_argument("--out", help="report path, '-' for stdout (default: BENCHMARKS.md for a full run, else stdout)")
+    p.add_argument("--work", help="working folder (default: a temporary one, removed afterwards)")
+    g = p.add_argument_group("saturation")
+    g.add_argument("--concurrency", type=_ints, default=[64, 128], help="requests in flight (comma-separated)")
+    g.add_argument("--warmup", type=float, default=8.0, help="seconds before the steady window")
+    g.add_argument("--window", type=float, default=20.0, help="seconds of the steady window")
+    g.add_argument("--single-stream-tps", type=float, default=90.0)
+    g.add_argument("--ceiling-tps", type=float, default=5000.0)
+    g.add_argument("--length", default="lognormal:200:0.6", help="emulator completion lengths")
+    g = p.add_argument_group("overhead")
+    g.add_argument("--overhead-tasks", type=int, default=2000)
+    g.add_argument("--overhead-inflight", type=_ints, default=[16, 128])
+    g = p.add_argument_group("inventory")
+    g.add_argument("--inventory-b3", type=_size, default=(1746, 3288.0), help="RESPONSES:MEAN_TOKENS, the seed's B3")
+    g.add_argument("--inventory-large", type=_size, default=(100_000, 300.0), help="RESPONSES:MEAN_TOKENS")
+    g = p.add_argument_group("retokenize")
+    g.add_argument("--retok-answers", type=int, default=2000)
+    g.add_argument("--retok-mean", type=float, default=600.0, help="mean tokens per answer")
+    g.add_argument("--retok-batch", type=int, default=64, help="answers per batched call")
+    g = p.add_argument_group("enqueue")
+    g.add_argument("--enqueue-prompts", type=int, default=100_000)
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best kept) where a run is short")
+    return p
+
+
+def _flag_text(args: argparse.Namespace, name: str) -> str:
+    value = getattr(args, name)
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    elif isinstance(value, tuple):
+        value = f"{value[0]}:{value[1]:g}"
+    elif isinstance(value, float):
+        value = f"{value:g}"
+    return f"--{name.replace('_', '-')} {shlex.quote(str(value))}"
+
+
+def command(args: argparse.Namespace, name: str) -> str:
+    return " ".join(["python -m bench", name, *(_flag_text(args, f) for f in FLAGS[name])])
+
+
+def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
+    folder = fresh_dir(work / name)
+    if name == "saturation":
+        return saturation.run(folder, concurrency=args.concurrency, warmup=args.warmup, window=args.window,
+                              single_stream_tps=args.single_stream_tps, ceiling_tps=args.ceiling_tps, length=args.length)
+    if name == "overhead":
+        return overhead.run(folder, tasks=args.overhead_tasks, inflight=args.overhead_inflight)
+    if name == "inventory":
+        sizes = [("b3", *args.inventory_b3), ("large", *args.inventory_large)]
+        return inventory.run(folder, sizes=sizes, repeats=args.repeats)
+    if name == "retokenize":
+        return retokenize.run(folder, n=args.retok_answers, mean_tokens=args.retok_mean, batch=args.retok_batch,
+                              repeats=args.repeats)
+    return enqueue.run(folder, prompts=args.enqueue_prompts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
+    args = p.parse_args(argv)
+    unknown = [n for n in args.names if n not in NAMES]
+    if unknown:
+        p.error(f"unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(NAMES)}")
+    names = args.names or list(NAMES)
+    out = args.out or ("BENCHMARKS.md" if not args.names else "-")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="draftfleet-bench-"))
+    sections = []
+    try:
+        for name in names:
+            print(f"bench: {name} ...", file=sys.stderr, flush=True)
+            start = time.monotonic()
+            section = run_one(name, args, work)
+            section.seconds = time.monotonic() - start
+            section.command = command(args, name)
+            for f in section.figures:
+                print(f"  {f.name}: {f.value:,.4g} {f.unit} vs {f.reference_value:,.4g} -> {f.ratio:.3g}x", file=sys.stderr)
+            sections.append(section)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    full = " ".join(["python -m bench", *map(shlex.quote, argv)])
+    text = report.render(sections, machine(), full)
+    if out == "-":
+        print(text)
+    else:
+        path = Path(out) if Path(out).is_absolute() else REPO / out
+        path.write_text(text)
+        print(f"bench: wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
