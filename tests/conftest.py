@@ -139,7 +139,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def write_config(folder: Path, *, tokenizer: Path, datasets: list[dict], emulator_url: str | None = None,
                  inflight: int = 16, concurrency: int = 8, max_attempts: int = 4, cloud_extra: str = "",
-                 fleet_extra: str = "") -> Path:
+                 fleet_extra: str = "", sglang_timeout_s: float = 30.0, cloud_timeout_s: float = 10.0) -> Path:
     """A fleet.toml for tests: datasets as dicts, SGLang and a cloud backend on the emulator."""
     lines = ["[fleet]", f'store = "{folder / "store"}"', 'model = "test/chatml"', f'tokenizer = "{tokenizer}"',
              f"max_attempts = {max_attempts}", fleet_extra, ""]
@@ -149,10 +149,12 @@ def write_config(folder: Path, *, tokenizer: Path, datasets: list[dict], emulato
             lines.append(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"')
         lines.append("")
     if emulator_url:
-        lines += ["[backends.sglang]", f'urls = ["{emulator_url}"]', f"inflight = {inflight}", "request_timeout_s = 30.0", "",
+        lines += ["[backends.sglang]", f'urls = ["{emulator_url}"]', f"inflight = {inflight}",
+                  f"request_timeout_s = {sglang_timeout_s}", "",
                   "[backends.cloudy]", f'base_url = "{emulator_url}/v1"', 'model = "vendor/model"',
                   'api_key_env = "DRAFTFLEET_TEST_KEY"', f"concurrency = {concurrency}", "price_input_per_mtok = 1.0",
-                  "price_output_per_mtok = 2.0", "request_timeout_s = 10.0", "pause_s = 2.0", cloud_extra, ""]
+                  "price_output_per_mtok = 2.0", f"request_timeout_s = {cloud_timeout_s}", "pause_s = 2.0",
+                  cloud_extra, ""]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "fleet.toml"
     path.write_text("\n".join(lines).replace("True", "true").replace("False", "false"))

@@ -35,8 +35,11 @@ def make_app(broker_url: str, visibility_timeout_s: int) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        # A connection blip requeues every unacked message; without this a second copy would
-        # start while the first still runs (Celery's own warning on connection loss).
+        # A connection blip requeues every unacked message, and Celery then will not ack the tasks
+        # still running. It tries to cancel them here, but the threads pool cannot ("does not
+        # implement kill_job", logged): they run on and store their result, and what keeps their
+        # requeued copies from running twice is the claim, which the heartbeat re-creates if Redis
+        # lost it. Kept on for the pools that can cancel, and for Celery 6's default.
         worker_cancel_long_running_tasks_on_connection_loss=True,
         task_create_missing_queues=True,
         task_default_queue=rk.QUEUE_PREFIX + "default",

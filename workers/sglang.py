@@ -44,6 +44,13 @@ class SGLangClient:
         )
         self.model = ""
 
+    def healthy(self) -> bool:
+        """Whether the server answers ``/health`` now (a paused worker resumes as soon as it does)."""
+        try:
+            return self.client.get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def wait_ready(self, timeout: float) -> None:
         """Block until the server answers ``/health`` (attach mode), then learn its model path."""
         deadline = time.monotonic() + timeout

@@ -6,6 +6,9 @@ checked first, a claim in Redis (``SET NX`` with a TTL the holder keeps refreshi
 from generating the same key at the same time, and the store's write-once ``link`` plus the
 ledger's counted set make sure one result is stored and counted once. Every HTTP call has its
 own timeout, all well below the visibility timeout (the threads pool has no task time limits).
+A dead worker's messages come back once its claims lapse (``recovery.py``, run by every live
+worker's heartbeat), not only after the visibility timeout. A task that meets an error of Redis
+or of the store outside its own retries goes back to its queue: it is never acknowledged as done.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ..schemas.config import FleetConfig
 from ..schemas.records import FailureRecord, PromptTask, ResponseRecord
 from ..store import Store, StoreError, check_key, check_name
 from .backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
-from .poison import dead_letter
+from .consumer import dead_letter
 from .sglang import ServerDown, SGLangClient
 
 log = logging.getLogger("draftfleet.worker")
@@ -71,7 +74,7 @@ class Runtime:
         self.token = f"{hostname}:{os.getpid()}"
         self._release = r.register_script(_RELEASE)
         self._refresh = r.register_script(_REFRESH)
-        self.recovery = Recovery(r, store, grace_s=CLAIM_TTL_S)
+        self.recovery = Recovery(r, grace_s=CLAIM_TTL_S)
         self._lock = threading.Lock()
         self._claims: set[str] = set()
         self.inflight: dict[str, int] = {}
@@ -133,13 +136,12 @@ class Runtime:
             log.warning("heartbeat to Redis failed: %s", exc)
             return
         try:
-            found = self.recovery.maybe_sweep(self.token, HEARTBEAT_S)
-        except (redis.RedisError, OSError, StoreError) as exc:
+            restored = self.recovery.maybe_sweep(self.token, HEARTBEAT_S)
+        except redis.RedisError as exc:
             log.warning("looking for a dead worker's messages failed: %s", exc)
             return
-        if found and (found.restored or found.dropped):
-            log.warning("a dead worker's messages: %d given back to their queues, %d already stored (dropped)",
-                        found.restored, found.dropped)
+        if restored:
+            log.warning("gave %d message(s) held by no live worker back to their queues", restored)
 
     def start(self) -> None:
         self.heartbeat()
@@ -400,8 +402,10 @@ def execute(task_self, payload: object) -> str:
             rt.ledger.event(task.dataset, "truncated")
         return "stored"
     finally:
-        rt.ledger.release(task.dataset, task.key)
-        rt.release(task)
+        try:
+            rt.ledger.release(task.dataset, task.key)
+        finally:  # also when Redis is away: a claim left in our set would be refreshed forever
+            rt.release(task)
 
 
 def register(app: Celery) -> None:

@@ -127,6 +127,9 @@ def run_worker(
             backend = CloudChat(backend_name, cb, tokenizer, cloud_api_key(cfg, backend_name))
             pause_s = cb.pause_s
         app = make_app(broker_url, cfg.fleet.visibility_timeout_s)
+        # Poison messages go to the dead-letter list, and a Redis outage never ends the worker (consumer.py).
+        app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"
+        app.conf.broker_transport = "draftfleet.workers.consumer:Transport"
         register(app)
         rt = Runtime(app, cfg, Store(cfg.fleet.store), r, backend, hostname, names, pause_s)
         install(rt)

