@@ -274,32 +274,30 @@ def _datasets(args, cfg) -> list[str]:
     return names
 
 
-def _tick(progress_task, progress):
-    return lambda running: progress.update(progress_task, description=f"waiting for {running} in flight")
+def _move(args, label: str, run, title: str) -> int:
+    """Run a drain or pivot with a live "waiting for N in flight" line, then report."""
+    cfg = _config(args)
+    r = _redis(args, cfg)
+    names = _datasets(args, cfg)
+    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, disable=args.json) as progress:
+        t = progress.add_task(label, total=None)
+        tick = lambda running: progress.update(t, description=f"waiting for {running} in flight")  # noqa: E731
+        result = run(r, names, tick)
+    return _pivot_report(args, cfg, result, title.format(datasets=", ".join(names)))
 
 
 def cmd_drain(args) -> int:
     from .pivot import drain
 
-    cfg = _config(args)
-    r = _redis(args, cfg)
-    names = _datasets(args, cfg)
-    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, disable=args.json) as progress:
-        t = progress.add_task("draining", total=None)
-        result = drain(r, args.kind, names, args.timeout, _tick(t, progress))
-    return _pivot_report(args, cfg, result, f"drained {args.kind} from {', '.join(names)}")
+    return _move(args, "draining", lambda r, names, tick: drain(r, args.kind, names, args.timeout, tick),
+                 f"drained {args.kind} from {{datasets}}")
 
 
 def cmd_pivot(args) -> int:
     from .pivot import pivot
 
-    cfg = _config(args)
-    r = _redis(args, cfg)
-    names = _datasets(args, cfg)
-    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, disable=args.json) as progress:
-        t = progress.add_task("pivoting", total=None)
-        result = pivot(r, args.to, names, args.timeout, _tick(t, progress))
-    return _pivot_report(args, cfg, result, f"pivoted {', '.join(names)} to {args.to}")
+    return _move(args, "pivoting", lambda r, names, tick: pivot(r, args.to, names, args.timeout, tick),
+                 f"pivoted {{datasets}} to {args.to}")
 
 
 # -- reconcile, inventory, import, export --------------------------------------------------
