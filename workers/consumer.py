@@ -191,7 +191,8 @@ class Channel(kombu_redis.Channel):
 
 
 class Transport(kombu_redis.Transport):
-    """kombu's Redis transport, except that a list item kombu cannot read is dead-lettered."""
+    """kombu's Redis transport, but a list item it cannot read is dead-lettered, and a message
+    popped as the connection dropped is kept for the next channel to give back."""
 
     Channel = Channel
 

@@ -37,8 +37,8 @@ from .sglang import ServerDown, SGLangClient
 
 log = logging.getLogger("draftfleet.worker")
 
-# A claim outlives its holder by at most CLAIM_TTL_S; the heartbeat refreshes it six times in that.
-# DRAFTFLEET_CLAIM_TTL_S shortens it (the fault tests); the dead worker's messages come back then.
+# A claim outlives a dead holder by at most CLAIM_TTL_S, then recovery.py gives its messages back;
+# the heartbeat refreshes claims six times a TTL. DRAFTFLEET_CLAIM_TTL_S shortens it (fault tests).
 CLAIM_TTL_S = max(6, int(os.environ.get("DRAFTFLEET_CLAIM_TTL_S", "120")))
 HEARTBEAT_S = CLAIM_TTL_S / 6
 ASSIGNMENT_POLL_S = 1.0
