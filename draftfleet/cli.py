@@ -577,9 +577,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a clear one-line error for operator mistakes; the rest keep a trace
+        import redis
+
         from .broker import BrokerError
         from .tokenizer import TokenizerError
 
+        if isinstance(exc, redis.RedisError):
+            # redis-py names host and port, never the password
+            err.print(f"[red]cannot reach Redis[/]: {escape(str(exc))}", highlight=False)
+            return 1
         if isinstance(exc, (BrokerError, TokenizerError, OSError)):
             err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
             return 1

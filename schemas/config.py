@@ -16,6 +16,7 @@ import msgspec
 
 from .records import GenerationSettings
 
+MAX_RETRY_WAIT_S = 600.0  # the longest a server's Retry-After is honoured between two attempts
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -137,12 +138,12 @@ class FleetConfig(msgspec.Struct, kw_only=True):
         return self.clouds[name]
 
     def longest_task_s(self) -> float:
-        """Worst case a task holds its message: every attempt timing out, plus backoff."""
+        """Worst case a task holds its message: every attempt timing out, plus the longest wait."""
         timeouts = [c.request_timeout_s + c.connect_timeout_s for c in self.clouds.values()]
         if self.sglang:
             timeouts.append(self.sglang.request_timeout_s + self.sglang.connect_timeout_s)
         per_attempt = max(timeouts, default=0.0)
-        return self.fleet.max_attempts * (per_attempt + 60.0)
+        return self.fleet.max_attempts * (per_attempt + MAX_RETRY_WAIT_S)
 
 
 def _convert(obj: object, typ: type, where: str, path: str):

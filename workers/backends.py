@@ -13,6 +13,7 @@ from typing import Literal, Protocol
 
 import msgspec
 
+from ..schemas.config import MAX_RETRY_WAIT_S
 from ..schemas.records import BackendKind, PromptTask, TokenSource, Usage
 
 
@@ -70,7 +71,7 @@ def backoff_s(attempt: int, retry_after: float | None, base: float = 1.0, cap: f
     """Exponential backoff with full jitter; a server's Retry-After is a floor, never shortened."""
     delay = random.uniform(0, min(cap, base * 2 ** (attempt - 1)))
     if retry_after is not None:
-        delay = max(delay, min(retry_after, 600.0))
+        delay = max(delay, min(retry_after, MAX_RETRY_WAIT_S))
     return delay
 
 
