@@ -323,6 +323,14 @@ def cmd_reconcile(args) -> int:
     return 0
 
 
+def _config_or_store(args):
+    """(config, store root): ``--store DIR`` alone works without any config (manifests fill in)."""
+    if args.store and not args.config and not os.environ.get("DRAFTFLEET_CONFIG"):
+        return None, args.store
+    cfg = _config(args)
+    return cfg, cfg.fleet.store
+
+
 def _optional_tokenizer(args, cfg):
     from .tokenizer import TargetTokenizer
 
@@ -367,8 +375,7 @@ def cmd_inventory(args) -> int:
 
     from .inventory import run_inventory
 
-    cfg = None if (args.store and not args.config and not os.environ.get("DRAFTFLEET_CONFIG")) else _config(args)
-    root = cfg.fleet.store if cfg else args.store
+    cfg, root = _config_or_store(args)
     invs = run_inventory(root, cfg, args.dataset, _optional_tokenizer(args, cfg), args.roundtrip_sample)
     if args.json:
         print(msgspec.json.encode(invs).decode())
@@ -416,8 +423,7 @@ def cmd_export(args) -> int:
     from .export import export_dataset
     from .store import Store
 
-    cfg = None if (args.store and not args.config and not os.environ.get("DRAFTFLEET_CONFIG")) else _config(args)
-    root = cfg.fleet.store if cfg else args.store
+    cfg, root = _config_or_store(args)
     tok = _optional_tokenizer(args, cfg) if ("tokens" in args.format or args.exclude_invalid) else None
     manifest = export_dataset(Store(root), args.dataset, args.out, args.format, exclude_truncated=args.exclude_truncated,
                               exclude_invalid=args.exclude_invalid, tokenizer=tok)

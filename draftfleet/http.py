@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import httpx
 
-# Errors that mean "the request may not have been processed; try again".
-TRANSPORT_ERRORS = (httpx.TransportError,)
-
-
 def make_client(
     concurrency: int,
     *,

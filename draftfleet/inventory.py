@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Annotated
@@ -248,11 +248,3 @@ def run_inventory(
                                      roundtrip_sample=roundtrip_sample, processes=processes))
     return out
 
-
-def group_by_backend(inv: DatasetInventory) -> dict[str, tuple[int, int]]:
-    """Responses and tokens per backend (the split without token_source), for pivot reports."""
-    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for s in inv.by_source:
-        out[s.backend][0] += s.responses
-        out[s.backend][1] += s.completion_tokens
-    return {k: (a, b) for k, (a, b) in out.items()}

@@ -169,10 +169,6 @@ class Ledger:
     def reopen(self, dataset: str) -> None:
         self.r.delete(rk.closed(dataset), rk.closing(dataset))
 
-    def reserved(self, dataset: str) -> int:
-        """Expected tokens of what is in flight (as admitted, before any growth with time)."""
-        return sum(int(v.split(b":")[0]) for v in self.r.hvals(rk.reservations(dataset)))
-
     # -- reading ---------------------------------------------------------------------------
     def spend_usd(self, backend: str) -> float:
         return int(self.r.hget(rk.spend(backend), "cost_micro_usd") or 0) / 1_000_000
@@ -180,14 +176,22 @@ class Ledger:
     def dataset_totals(self, dataset: str) -> dict[str, int]:
         return _decode_hash(self.r.hgetall(rk.dataset_totals(dataset)))
 
+    def all_totals(self, dataset: str = "*") -> dict[str, dict[str, dict[str, int]]]:
+        """Counters by dataset, then backend, in one scan (dataset names never hold a colon)."""
+        keys = list(self.r.scan_iter(match=rk.totals_pattern(dataset), count=500))
+        pipe = self.r.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        prefix = len(rk.totals("", "")) - 1
+        for key, values in zip(keys, pipe.execute()):
+            name, backend = key.decode()[prefix:].split(":", 1)
+            out.setdefault(name, {})[backend] = _decode_hash(values)
+        return out
+
     def totals(self, dataset: str) -> dict[str, dict[str, int]]:
         """Counters of one dataset, by backend."""
-        out: dict[str, dict[str, int]] = {}
-        prefix = rk.totals(dataset, "")
-        for key in self.r.scan_iter(match=rk.totals_pattern(dataset), count=500):
-            name = key.decode() if isinstance(key, bytes) else key
-            out[name[len(prefix):]] = _decode_hash(self.r.hgetall(key))
-        return out
+        return self.all_totals(dataset).get(dataset, {})
 
     def rate(self, dataset: str, backend: str, window_s: int, now: float | None = None) -> float:
         """Completion tokens per second over the last ``window_s`` seconds."""

@@ -34,7 +34,7 @@ def counted_set(dataset: str) -> str:
 
 
 def totals(dataset: str, backend: str) -> str:
-    """Hash of fast counters (responses, prompt_tokens, completion_tokens, cost_usd_micro)."""
+    """Hash of fast counters (responses, prompt_tokens, completion_tokens, cost_micro_usd)."""
     return f"{PREFIX}totals:{dataset}:{backend}"
 
 

@@ -18,6 +18,7 @@ from rich.table import Table
 from . import redis_keys as rk
 from .assign import kinds_for
 from .ledger import Ledger
+from .queues import depth
 from .schemas.config import FleetConfig
 
 
@@ -92,9 +93,10 @@ def snapshot(cfg: FleetConfig, r: redis.Redis) -> Snapshot:
         for w in sorted(reports, key=lambda w: (w["kind"], w["hostname"]))
     ]
     datasets = []
+    all_totals = ledger.all_totals()
     for ds in cfg.datasets:
         inflight = sum(w.get("inflight", {}).get(ds.name, 0) for w in reports)
-        totals = ledger.totals(ds.name)
+        totals = all_totals.get(ds.name, {})
         backends = [
             BackendRow(backend=b, responses=t.get("responses", 0), completion_tokens=t.get("completion_tokens", 0),
                        cost_usd=t.get("cost_micro_usd", 0) / 1e6, tps_1m=round(ledger.rate(ds.name, b, 60, now), 1),
@@ -107,7 +109,7 @@ def snapshot(cfg: FleetConfig, r: redis.Redis) -> Snapshot:
         remaining = max(0, budget - done) if budget else None
         events = ledger.events(ds.name)
         datasets.append(DatasetRow(
-            dataset=ds.name, assigned=sorted(kinds_for(r, ds.name)), queue_depth=int(r.llen(rk.queue(ds.name))),
+            dataset=ds.name, assigned=sorted(kinds_for(r, ds.name)), queue_depth=depth(r, ds.name),
             inflight=inflight, responses=sum(b.responses for b in backends), completion_tokens=done,
             budget_tokens=budget, share_done=round(done / budget, 4) if budget else None, remaining_tokens=remaining,
             closed=ledger.closed_at(ds.name) is not None, tps_1m=round(sum(b.tps_1m for b in backends), 1),

@@ -113,30 +113,6 @@ class Store:
     def get(self, dataset: str, key: str) -> ResponseRecord:
         return _record_decoder.decode(self.path(dataset, key).read_bytes())
 
-    def keys(self, dataset: str) -> set[str]:
-        """Every key with a stored result (file names only; nothing is parsed)."""
-        base = self.root / check_name(dataset)
-        out: set[str] = set()
-        if not base.is_dir():
-            return out
-        for shard in os.scandir(base):
-            if shard.is_dir() and len(shard.name) == 2:
-                for entry in os.scandir(shard.path):
-                    name = entry.name
-                    if name.endswith(".json") and not name.startswith("."):
-                        out.add(name[:-5])
-        return out
-
-    def record_paths(self, dataset: str) -> Iterator[Path]:
-        base = self.root / check_name(dataset)
-        if not base.is_dir():
-            return
-        for shard in sorted(os.scandir(base), key=lambda e: e.name):
-            if shard.is_dir() and len(shard.name) == 2:
-                for name in sorted(os.listdir(shard.path)):
-                    if name.endswith(".json") and not name.startswith("."):
-                        yield Path(shard.path) / name
-
     def record_files(self, dataset: str) -> list[str]:
         """Paths (as strings: cheaper than Path objects by the 100,000) of every record, unsorted."""
         base = self.root / check_name(dataset)
@@ -147,6 +123,14 @@ class Store:
             if shard.is_dir() and len(shard.name) == 2:
                 out.extend(e.path for e in os.scandir(shard.path) if e.name.endswith(".json") and not e.name.startswith("."))
         return out
+
+    def keys(self, dataset: str) -> set[str]:
+        """Every key with a stored result (file names only; nothing is parsed)."""
+        return {os.path.basename(p)[:-5] for p in self.record_files(dataset)}
+
+    def record_paths(self, dataset: str) -> list[Path]:
+        """Every record's path, sorted by key."""
+        return [Path(p) for p in sorted(self.record_files(dataset), key=os.path.basename)]
 
     def records(self, dataset: str) -> Iterator[ResponseRecord]:
         for p in self.record_paths(dataset):

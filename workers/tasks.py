@@ -397,7 +397,6 @@ def execute(task_self, payload: object) -> str:
         if not _store(rt, record):
             return _count_existing(rt, task)
         rt.ledger.count(record)
-        rt.store.clear_failure(task.dataset, task.key)
         if record.truncated:
             rt.ledger.event(task.dataset, "truncated")
         return "stored"
