@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import redis
 
-from . import redis_keys as rk
+from draftfleet import redis_keys as rk
 
 KINDS = ("gpu", "cloud")
 

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .schemas.config import ConfigError, FleetConfig, load_config
+from draftfleet.schemas.config import ConfigError, FleetConfig, load_config
 
 err = Console(stderr=True)
 out = Console()
@@ -43,11 +43,11 @@ def _worker_flags(args) -> list[str]:
 
 # -- enqueue -----------------------------------------------------------------------------------
 def cmd_enqueue(args) -> int:
-    from .broker import connect, resolve_redis_url
-    from .producer.enqueue import EnqueueError, enqueue_dataset
-    from .producer.readers import count_rows
-    from .store import Store
-    from .workers.app import make_app
+    from draftfleet.broker import connect, resolve_redis_url
+    from draftfleet.producer.enqueue import EnqueueError, enqueue_dataset
+    from draftfleet.producer.readers import count_rows
+    from draftfleet.store import Store
+    from draftfleet.workers.app import make_app
 
     cfg = _config(args)
     url = resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store)
@@ -104,18 +104,18 @@ def cmd_enqueue(args) -> int:
 
 # -- worker ------------------------------------------------------------------------------------
 def cmd_worker(args) -> int:
-    from .workers.worker import run_worker
+    from draftfleet.workers.worker import run_worker
 
     cfg = _config(args)
     if args.kind == "reconciler":
-        from .workers.reconciler import run_reconciler
+        from draftfleet.workers.reconciler import run_reconciler
 
         run_reconciler(cfg, redis_url=args.redis_url, interval_s=args.interval, metrics_port=args.metrics_port,
                        metrics_address=args.metrics_address, loglevel=args.loglevel)
         return 0
     gpus = None
     if args.kind == "gpu" and args.gpu is not None:
-        from .workers.launcher import gpu_groups
+        from draftfleet.workers.launcher import gpu_groups
 
         if cfg.sglang is None or cfg.sglang.launch is None:
             raise ConfigError(f"{cfg.path}: --gpu needs [backends.sglang.launch] (model_path, tp, port_base)")
@@ -125,7 +125,7 @@ def cmd_worker(args) -> int:
         except ValueError as exc:
             raise ConfigError(f"--gpu: {exc}") from None
         if len(groups) > 1:
-            from .workers.worker import run_gpu_workers
+            from draftfleet.workers.worker import run_gpu_workers
 
             return run_gpu_workers(cfg.path, groups, _worker_flags(args))
         gpus = groups[0]
@@ -139,7 +139,7 @@ def cmd_worker(args) -> int:
 
 # -- emulator ----------------------------------------------------------------------------------
 def emulator_config(args):
-    from .emulator import EmulatorConfig
+    from draftfleet.emulator import EmulatorConfig
 
     fields = {f: getattr(args, f) for f in EMULATOR_FLAGS if getattr(args, f, None) is not None}
     if args.api_key_env:
@@ -154,7 +154,7 @@ EMULATOR_FLAGS = ("model", "seed", "length", "reasoning_length", "single_stream_
 
 
 def cmd_emulator(args) -> int:
-    from .emulator import serve
+    from draftfleet.emulator import serve
 
     serve(emulator_config(args), args.host, args.port)
     return 0
@@ -162,14 +162,14 @@ def cmd_emulator(args) -> int:
 
 # -- demo --------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from draftfleet.demo import run_demo
 
     return run_demo(store=args.store, timeout_s=args.timeout, as_json=args.json)
 
 
 # -- redis -------------------------------------------------------------------------------------
 def cmd_redis(args) -> int:
-    from .broker import EmbeddedRedis, redact
+    from draftfleet.broker import EmbeddedRedis, redact
 
     cfg = _config(args)
     emb = EmbeddedRedis(Path(cfg.fleet.store) / "_redis")
@@ -189,7 +189,7 @@ def cmd_redis(args) -> int:
 
 # -- requeue failures --------------------------------------------------------------------------
 def cmd_failures(args) -> int:
-    from .store import Store
+    from draftfleet.store import Store
 
     cfg = _config(args)
     store = Store(cfg.fleet.store)
@@ -212,8 +212,8 @@ def cmd_failures(args) -> int:
 
 # -- flower ------------------------------------------------------------------------------------
 def cmd_flower(args) -> int:
-    from .broker import resolve_redis_url
-    from .monitor import basic_auth_from_env, run_flower
+    from draftfleet.broker import resolve_redis_url
+    from draftfleet.monitor import basic_auth_from_env, run_flower
 
     auth = None if args.no_auth else basic_auth_from_env(args.basic_auth_env)
     cfg = _config(args)
@@ -224,7 +224,7 @@ def cmd_flower(args) -> int:
 
 # -- status, drain, pivot ------------------------------------------------------------------
 def _redis(args, cfg):
-    from .broker import connect, resolve_redis_url
+    from draftfleet.broker import connect, resolve_redis_url
 
     return connect(resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store))
 
@@ -235,7 +235,7 @@ def cmd_status(args) -> int:
     import msgspec
     from rich.live import Live
 
-    from .status import render, snapshot
+    from draftfleet.status import render, snapshot
 
     cfg = _config(args)
     r = _redis(args, cfg)
@@ -254,7 +254,7 @@ def cmd_status(args) -> int:
 def _pivot_report(args, cfg, result, title: str) -> int:
     import msgspec
 
-    from .inventory import run_inventory
+    from draftfleet.inventory import run_inventory
 
     inv = run_inventory(cfg.fleet.store, cfg, result.datasets)
     if args.json:
@@ -287,14 +287,14 @@ def _move(args, label: str, run, title: str) -> int:
 
 
 def cmd_drain(args) -> int:
-    from .pivot import drain
+    from draftfleet.pivot import drain
 
     return _move(args, "draining", lambda r, names, tick: drain(r, args.kind, names, args.timeout, tick),
                  f"drained {args.kind} from {{datasets}}")
 
 
 def cmd_pivot(args) -> int:
-    from .pivot import pivot
+    from draftfleet.pivot import pivot
 
     return _move(args, "pivoting", lambda r, names, tick: pivot(r, args.to, names, args.timeout, tick),
                  f"pivoted {{datasets}} to {args.to}")
@@ -304,8 +304,8 @@ def cmd_pivot(args) -> int:
 def cmd_reconcile(args) -> int:
     import msgspec
 
-    from .reconcile import Reconciler
-    from .store import Store
+    from draftfleet.reconcile import Reconciler
+    from draftfleet.store import Store
 
     cfg = _config(args)
     drifts = Reconciler(Store(cfg.fleet.store), _redis(args, cfg)).reconcile_all(_datasets(args, cfg))
@@ -332,7 +332,7 @@ def _config_or_store(args):
 
 
 def _optional_tokenizer(args, cfg):
-    from .tokenizer import TargetTokenizer
+    from draftfleet.tokenizer import TargetTokenizer
 
     path = getattr(args, "tokenizer", None) or (cfg.fleet.tokenizer if cfg else None)
     if not path:
@@ -373,7 +373,7 @@ def _print_inventory(invs) -> None:
 def cmd_inventory(args) -> int:
     import msgspec
 
-    from .inventory import run_inventory
+    from draftfleet.inventory import run_inventory
 
     cfg, root = _config_or_store(args)
     invs = run_inventory(root, cfg, args.dataset, _optional_tokenizer(args, cfg), args.roundtrip_sample)
@@ -387,10 +387,10 @@ def cmd_inventory(args) -> int:
 def cmd_import(args) -> int:
     import msgspec
 
-    from .ledger import Ledger
-    from .producer.enqueue import check_manifest
-    from .producer.importer import import_file
-    from .store import Store
+    from draftfleet.ledger import Ledger
+    from draftfleet.producer.enqueue import check_manifest
+    from draftfleet.producer.importer import import_file
+    from draftfleet.store import Store
 
     cfg = _config(args)
     ds = cfg.dataset(args.dataset)
@@ -420,8 +420,8 @@ def cmd_import(args) -> int:
 def cmd_export(args) -> int:
     import msgspec
 
-    from .export import export_dataset
-    from .store import Store
+    from draftfleet.export import export_dataset
+    from draftfleet.store import Store
 
     cfg, root = _config_or_store(args)
     tok = _optional_tokenizer(args, cfg) if ("tokens" in args.format or args.exclude_invalid) else None
@@ -585,8 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line error for operator mistakes; the rest keep a trace
         import redis
 
-        from .broker import BrokerError
-        from .tokenizer import TokenizerError
+        from draftfleet.broker import BrokerError
+        from draftfleet.tokenizer import TokenizerError
 
         if isinstance(exc, redis.RedisError):
             # redis-py names host and port, never the password

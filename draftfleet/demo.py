@@ -23,10 +23,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import samples, status
-from .broker import EmbeddedRedis, connect
-from .schemas.config import load_config
-from .store import Store
+from draftfleet import samples, status
+from draftfleet.broker import EmbeddedRedis, connect
+from draftfleet.schemas.config import load_config
+from draftfleet.store import Store
 
 DEMO_KEY_ENV = "DRAFTFLEET_DEMO_API_KEY"
 
@@ -66,9 +66,9 @@ def _stop(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
 
 
 def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool = False) -> int:
-    from .emulator import Emulator, EmulatorConfig
-    from .producer.enqueue import enqueue_dataset
-    from .workers.app import make_app
+    from draftfleet.emulator import Emulator, EmulatorConfig
+    from draftfleet.producer.enqueue import enqueue_dataset
+    from draftfleet.workers.app import make_app
 
     console = Console(stderr=as_json)
     started = time.monotonic()

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import msgspec
 
-from .schemas.records import ResponseRecord
-from .store import Store
-from .tokenizer import TargetTokenizer
+from draftfleet.schemas.records import ResponseRecord
+from draftfleet.store import Store
+from draftfleet.tokenizer import TargetTokenizer
 
 FORMATS = ("sharegpt", "raw", "tokens")
 _encoder = msgspec.json.Encoder()

@@ -12,7 +12,7 @@ import hashlib
 
 import msgspec
 
-from .schemas.records import GenerationSettings, Message
+from draftfleet.schemas.records import GenerationSettings, Message
 
 _encoder = msgspec.json.Encoder(order="sorted")
 

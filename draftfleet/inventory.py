@@ -20,10 +20,10 @@ from typing import Annotated
 
 import msgspec
 
-from .schemas.config import FleetConfig
-from .schemas.records import ResponseRecord
-from .store import Store
-from .tokenizer import TargetTokenizer
+from draftfleet.schemas.config import FleetConfig
+from draftfleet.schemas.records import ResponseRecord
+from draftfleet.store import Store
+from draftfleet.tokenizer import TargetTokenizer
 
 _decode = msgspec.json.Decoder(ResponseRecord).decode
 _msg_encoder = msgspec.json.Encoder()

@@ -24,8 +24,8 @@ import time
 
 import redis
 
-from . import redis_keys as rk
-from .schemas.records import ResponseRecord
+from draftfleet import redis_keys as rk
+from draftfleet.schemas.records import ResponseRecord
 
 RATE_BUCKET_S = 10
 RATE_KEEP_S = 900

@@ -10,9 +10,9 @@ from __future__ import annotations
 import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .ledger import Ledger
-from .schemas.config import FleetConfig
-from .status import snapshot
+from draftfleet.ledger import Ledger
+from draftfleet.schemas.config import FleetConfig
+from draftfleet.status import snapshot
 
 
 class FleetCollector:

@@ -25,8 +25,8 @@ import os
 import signal
 import sys
 
-from .broker import redact
-from .schemas.config import ConfigError, FleetConfig
+from draftfleet.broker import redact
+from draftfleet.schemas.config import ConfigError, FleetConfig
 
 log = logging.getLogger("draftfleet.flower")
 
@@ -67,7 +67,7 @@ def run_flower(
     from flower.urls import settings
     from tornado.options import options
 
-    from .workers.app import make_app
+    from draftfleet.workers.app import make_app
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
     # Set on Flower's own option object, as its command line would, but in memory: no argv, no

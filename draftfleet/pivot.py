@@ -14,10 +14,10 @@ import time
 import msgspec
 import redis
 
-from . import redis_keys as rk
-from .assign import KINDS, assign, kinds_for
-from .status import worker_reports
-from .workers.tasks import ASSIGNMENT_POLL_S
+from draftfleet import redis_keys as rk
+from draftfleet.assign import KINDS, assign, kinds_for
+from draftfleet.status import worker_reports
+from draftfleet.workers.tasks import ASSIGNMENT_POLL_S
 
 
 class DrainResult(msgspec.Struct, kw_only=True):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import redis
 
-from . import redis_keys as rk
+from draftfleet import redis_keys as rk
 
 
 class _Headers(msgspec.Struct):

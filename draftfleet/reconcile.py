@@ -15,9 +15,9 @@ from collections import defaultdict
 import msgspec
 import redis
 
-from . import redis_keys as rk
-from .ledger import Ledger, micro_usd
-from .store import Store
+from draftfleet import redis_keys as rk
+from draftfleet.ledger import Ledger, micro_usd
+from draftfleet.store import Store
 
 FIELDS = ("responses", "prompt_tokens", "completion_tokens", "cost_micro_usd")
 

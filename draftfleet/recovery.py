@@ -24,8 +24,8 @@ from datetime import datetime
 import msgspec
 import redis
 
-from . import redis_keys as rk
-from .store import StoreError, check_key, check_name
+from draftfleet import redis_keys as rk
+from draftfleet.store import StoreError, check_key, check_name
 
 # KEYS: unacked, unacked_index, claim, queue; ARGV: tag, entry as read, payload to push.
 _RESTORE = """

@@ -15,11 +15,11 @@ from rich.console import Group
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from . import redis_keys as rk
-from .assign import kinds_for
-from .ledger import Ledger
-from .queues import depth
-from .schemas.config import FleetConfig
+from draftfleet import redis_keys as rk
+from draftfleet.assign import kinds_for
+from draftfleet.ledger import Ledger
+from draftfleet.queues import depth
+from draftfleet.schemas.config import FleetConfig
 
 
 class WorkerRow(msgspec.Struct, kw_only=True):

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import msgspec
 
-from .schemas.config import NAME_RE
-from .schemas.records import DatasetManifest, FailureRecord, QuarantineEntry, ResponseRecord
+from draftfleet.schemas.config import NAME_RE
+from draftfleet.schemas.records import DatasetManifest, FailureRecord, QuarantineEntry, ResponseRecord
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _encoder = msgspec.json.Encoder()

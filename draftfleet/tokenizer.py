@@ -14,8 +14,8 @@ import os
 import threading
 from collections.abc import Sequence
 
-from .schemas.config import FleetSection
-from .schemas.records import Message
+from draftfleet.schemas.config import FleetSection
+from draftfleet.schemas.records import Message
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

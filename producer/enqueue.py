@@ -21,14 +21,14 @@ import msgspec
 import redis
 from celery import Celery
 
-from .. import redis_keys as rk
-from ..identity import prompt_key, settings_id
-from ..ledger import Ledger
-from ..queues import queued_keys
-from ..schemas.config import DatasetConfig, FleetConfig
-from ..schemas.records import DatasetManifest, Message, PromptTask
-from ..store import Store
-from .readers import PromptRow, Rejection, read_prompts
+from draftfleet import redis_keys as rk
+from draftfleet.identity import prompt_key, settings_id
+from draftfleet.ledger import Ledger
+from draftfleet.queues import queued_keys
+from draftfleet.schemas.config import DatasetConfig, FleetConfig
+from draftfleet.schemas.records import DatasetManifest, Message, PromptTask
+from draftfleet.store import Store
+from draftfleet.producer.readers import PromptRow, Rejection, read_prompts
 
 
 PUBLISH_BATCH = 100

@@ -17,14 +17,14 @@ from typing import Any
 
 import msgspec
 
-from ..identity import prompt_key
-from ..ledger import Ledger
-from ..schemas.config import DatasetConfig
-from ..schemas.records import DatasetManifest, ResponseRecord, Usage
-from ..store import Store
-from ..tokenizer import TargetTokenizer
-from .enqueue import prompt_messages
-from .readers import PromptRow, Rejection, parse_line, rejection
+from draftfleet.identity import prompt_key
+from draftfleet.ledger import Ledger
+from draftfleet.schemas.config import DatasetConfig
+from draftfleet.schemas.records import DatasetManifest, ResponseRecord, Usage
+from draftfleet.store import Store
+from draftfleet.tokenizer import TargetTokenizer
+from draftfleet.producer.enqueue import prompt_messages
+from draftfleet.producer.readers import PromptRow, Rejection, parse_line, rejection
 
 TEXT_FIELDS = ("output", "response", "completion", "generated_text", "answer", "text")
 IDS_FIELDS = ("output_ids", "token_ids", "completion_ids")

@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from .records import GenerationSettings
+from draftfleet.schemas.records import GenerationSettings
 
 MAX_RETRY_WAIT_S = 600.0  # the longest a server's Retry-After is honoured between two attempts
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

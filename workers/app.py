@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from .. import redis_keys as rk
+from draftfleet import redis_keys as rk
 
 
 def make_app(broker_url: str, visibility_timeout_s: int) -> Celery:

@@ -13,8 +13,8 @@ from typing import Literal, Protocol
 
 import msgspec
 
-from ..schemas.config import MAX_RETRY_WAIT_S
-from ..schemas.records import BackendKind, PromptTask, TokenSource, Usage
+from draftfleet.schemas.config import MAX_RETRY_WAIT_S
+from draftfleet.schemas.records import BackendKind, PromptTask, TokenSource, Usage
 
 
 class Generation(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,12 +14,12 @@ from __future__ import annotations
 import httpx
 import msgspec
 
-from ..broker import redact
-from ..http import make_client
-from ..schemas.config import CloudBackend
-from ..schemas.records import PromptTask, Usage
-from ..tokenizer import TargetTokenizer, TokenizerError
-from .backends import Generation, Halt, Permanent, Transient, parse_retry_after
+from draftfleet.broker import redact
+from draftfleet.http import make_client
+from draftfleet.schemas.config import CloudBackend
+from draftfleet.schemas.records import PromptTask, Usage
+from draftfleet.tokenizer import TargetTokenizer, TokenizerError
+from draftfleet.workers.backends import Generation, Halt, Permanent, Transient, parse_retry_after
 
 _TRANSIENT_CODES = {408, 429, 500, 502, 503, 504, 520, 522, 524, 529}
 _TRANSIENT_402 = {"openrouter_in_flight_budget", "in_flight_budget_exhausted"}

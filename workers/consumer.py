@@ -39,9 +39,9 @@ from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.transport import redis as kombu_redis
 from kombu.utils import json as kombu_json
 
-from .. import redis_keys as rk
-from ..broker import connect
-from ..schemas.records import DeadLetter
+from draftfleet import redis_keys as rk
+from draftfleet.broker import connect
+from draftfleet.schemas.records import DeadLetter
 
 log = logging.getLogger("draftfleet.worker")
 

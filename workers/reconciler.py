@@ -11,13 +11,13 @@ import logging
 import socket
 from pathlib import Path
 
-from .. import redis_keys as rk
-from ..broker import connect, redact, resolve_redis_url
-from ..reconcile import Reconciler
-from ..schemas.config import FleetConfig
-from ..store import Store
-from .app import make_app
-from .worker import setup_logging
+from draftfleet import redis_keys as rk
+from draftfleet.broker import connect, redact, resolve_redis_url
+from draftfleet.reconcile import Reconciler
+from draftfleet.schemas.config import FleetConfig
+from draftfleet.store import Store
+from draftfleet.workers.app import make_app
+from draftfleet.workers.worker import setup_logging
 
 log = logging.getLogger("draftfleet.reconciler")
 
@@ -51,7 +51,7 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
     if metrics_port is not None:
         from prometheus_client import REGISTRY, start_http_server
 
-        from ..metrics import FleetCollector
+        from draftfleet.metrics import FleetCollector
 
         REGISTRY.register(FleetCollector(cfg, r))
         start_http_server(metrics_port, addr=metrics_address)

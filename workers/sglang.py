@@ -13,12 +13,12 @@ import time
 import httpx
 import msgspec
 
-from ..broker import redact
-from ..http import make_client
-from ..schemas.config import SGLangBackend as SGLangSettings
-from ..schemas.records import PromptTask, Usage
-from ..tokenizer import TargetTokenizer
-from .backends import Generation, Permanent, Transient, parse_retry_after
+from draftfleet.broker import redact
+from draftfleet.http import make_client
+from draftfleet.schemas.config import SGLangBackend as SGLangSettings
+from draftfleet.schemas.records import PromptTask, Usage
+from draftfleet.tokenizer import TargetTokenizer
+from draftfleet.workers.backends import Generation, Permanent, Transient, parse_retry_after
 
 _decode = msgspec.json.decode
 

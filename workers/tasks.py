@@ -24,16 +24,16 @@ import redis
 from celery import Celery
 from celery.exceptions import Reject
 
-from .. import redis_keys as rk
-from ..assign import assigned
-from ..ledger import ADMITTED, REFUSED, WAIT, Ledger
-from ..recovery import Recovery
-from ..schemas.config import FleetConfig
-from ..schemas.records import FailureRecord, PromptTask, ResponseRecord
-from ..store import Store, StoreError, check_key, check_name
-from .backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
-from .consumer import dead_letter
-from .sglang import ServerDown, SGLangClient
+from draftfleet import redis_keys as rk
+from draftfleet.assign import assigned
+from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
+from draftfleet.recovery import Recovery
+from draftfleet.schemas.config import FleetConfig
+from draftfleet.schemas.records import FailureRecord, PromptTask, ResponseRecord
+from draftfleet.store import Store, StoreError, check_key, check_name
+from draftfleet.workers.backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
+from draftfleet.workers.consumer import dead_letter
+from draftfleet.workers.sglang import ServerDown, SGLangClient
 
 log = logging.getLogger("draftfleet.worker")
 

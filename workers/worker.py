@@ -14,16 +14,16 @@ from collections.abc import Sequence
 
 import msgspec
 
-from .. import redis_keys as rk
-from ..broker import connect, redact, resolve_redis_url
-from ..schemas.config import ConfigError, FleetConfig
-from ..store import Store
-from ..tokenizer import TargetTokenizer
-from .app import make_app
-from .backends import Backend
-from .cloud import CloudChat
-from .sglang import SGLangClient
-from .tasks import Runtime, install, register
+from draftfleet import redis_keys as rk
+from draftfleet.broker import connect, redact, resolve_redis_url
+from draftfleet.schemas.config import ConfigError, FleetConfig
+from draftfleet.store import Store
+from draftfleet.tokenizer import TargetTokenizer
+from draftfleet.workers.app import make_app
+from draftfleet.workers.backends import Backend
+from draftfleet.workers.cloud import CloudChat
+from draftfleet.workers.sglang import SGLangClient
+from draftfleet.workers.tasks import Runtime, install, register
 
 log = logging.getLogger("draftfleet.worker")
 
@@ -110,7 +110,7 @@ def run_worker(
     try:
         if kind == "gpu":
             if gpus is not None:
-                from .launcher import SGLangServer, port_for
+                from draftfleet.workers.launcher import SGLangServer, port_for
 
                 server = SGLangServer(cfg.sglang.launch, gpus, port=port_for(cfg.sglang.launch, gpus))
                 server.start(wait=True)
