@@ -343,19 +343,27 @@ def _optional_tokenizer(args, cfg):
 
 
 def _print_inventory(invs) -> None:
+    from draftfleet.inventory import ROUNDTRIP_MEANING
+
     for inv in invs:
         table = Table(title=f"inventory: {inv.dataset}", title_justify="left")
-        for col in ("backend", "kind", "token source", "responses", "completion tokens", "cost (USD)"):
+        for col in ("backend", "kind", "token source", "responses", "completion tokens", "provider's count",
+                    "difference", "cost (USD)"):
             table.add_column(col, justify="left" if col in ("backend", "kind", "token source") else "right")
         for s in inv.by_source:
+            theirs = (f"{s.provider_completion_tokens:,}", f"{s.provider_difference:+,}") if s.provider_responses else ("-", "-")
             table.add_row(s.backend, s.backend_kind, s.token_source, f"{s.responses:,}", f"{s.completion_tokens:,}",
-                          f"{s.cost_usd:,.2f}")
-        table.add_row("total", "", "", f"{inv.responses:,}", f"{inv.completion_tokens:,}", f"{inv.spend_usd:,.2f}")
+                          *theirs, f"{s.cost_usd:,.2f}")
+        table.add_row("total", "", "", f"{inv.responses:,}", f"{inv.completion_tokens:,}", "", "", f"{inv.spend_usd:,.2f}")
         out.print(table)
+        out.print("completion tokens: the target tokenizer's count (budgets use it); provider's count: the API's own "
+                  "usage.completion_tokens (its tokenizer); difference: ours minus theirs", highlight=False)
         line = f"mean {inv.mean_tokens or 0:,.0f} tokens/response"
         if inv.budget_tokens:
             line += (f"; budget {inv.budget_tokens:,}: {100 * (inv.share_done or 0):.1f}% done, "
                      f"{inv.remaining_tokens:,} remaining")
+        if inv.prompts_left is not None:
+            line += f"; {inv.prompts_left:,} prompts left"
         for name, usd in inv.cost_to_finish_usd.items():
             line += f"; to finish on {name}: ~${usd:,.2f}"
         out.print(line, highlight=False)
@@ -363,9 +371,12 @@ def _print_inventory(invs) -> None:
         checks = [f"schema errors {v.schema_errors}", f"truncated {v.truncated}", f"duplicate prompts {v.duplicate_prompts}"]
         if v.ids_out_of_vocab is not None:
             checks += [f"ids out of vocab {v.ids_out_of_vocab}", f"stopped without end-of-turn {v.stop_without_eot}"]
-        if v.roundtrip_share is not None:
-            checks.append(f"decode->encode mismatch {100 * v.roundtrip_share:.1f}% of {v.roundtrip_checked} exact")
+        if v.roundtrip_mismatch_share is not None:
+            checks.append(f"round-trip mismatch share {100 * v.roundtrip_mismatch_share:.1f}% "
+                          f"({v.roundtrip_mismatched} of {v.roundtrip_checked} exact records)")
         out.print("validation: " + ", ".join(checks), highlight=False)
+        if v.roundtrip_mismatch_share is not None:
+            out.print(f"  round-trip mismatch share: {ROUNDTRIP_MEANING}", highlight=False)
         for f in v.unreadable_files[:10]:
             out.print(f"  [yellow]unreadable[/] {escape(f)}", highlight=False)
 

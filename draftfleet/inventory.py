@@ -3,9 +3,11 @@
 How many responses and tokens each dataset has (split by backend and token source), what is left
 of its budget, what the rest will cost at each configured cloud price, and whether the records
 are sound: schema, ids inside the vocabulary, stopped responses ending with the end-of-turn id,
-truncations, the same prompt under several keys, and (on exact records) the share of ids that do
-not survive decode -> encode unchanged. Tokens are counted as the seed's script did:
-``completion_tokens``, falling back to ``len(output_ids)``. A corrupt file is reported, never fatal.
+truncations, the same prompt under several keys, and the round-trip mismatch share (below).
+Tokens are counted as the seed's script did, in the target tokenizer's unit: ``completion_tokens``,
+falling back to ``len(output_ids)``; budgets count the same unit. A cloud provider counts with its
+own tokenizer: its ``usage.completion_tokens`` is shown beside ours, with the difference.
+A corrupt file is reported, never fatal.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from typing import Annotated
 
 import msgspec
 
-from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import ResponseRecord
+from draftfleet.identity import prompt_key
+from draftfleet.producer.enqueue import prompt_messages
+from draftfleet.producer.readers import Rejection, read_prompts
+from draftfleet.schemas.config import DatasetConfig, FleetConfig
+from draftfleet.schemas.records import GenerationSettings, ResponseRecord
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
 
@@ -38,6 +43,16 @@ class Split(msgspec.Struct, kw_only=True):
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cost_usd: float = 0.0
+    provider_responses: int = 0  # records that carry the provider's own completion_tokens
+    provider_completion_tokens: int = 0  # the provider's count, over those records
+    provider_difference: int = 0  # our (target-tokenizer) tokens minus the provider's, same records
+
+
+ROUNDTRIP_MEANING = (
+    "share of exact records whose output ids change when decoded to text and encoded again; "
+    "such records cannot be rebuilt from their text alone (BPE merges across boundaries: the seed saw "
+    "0.5-6.5%); the stored ids stay exact"
+)
 
 
 class Validation(msgspec.Struct, kw_only=True):
@@ -47,9 +62,9 @@ class Validation(msgspec.Struct, kw_only=True):
     stop_without_eot: int | None = None
     truncated: int = 0
     duplicate_prompts: int = 0
-    roundtrip_checked: int = 0
-    roundtrip_mismatch: int = 0
-    roundtrip_share: float | None = None
+    roundtrip_checked: int = 0  # exact records sampled
+    roundtrip_mismatched: int = 0  # of those, records whose ids do not survive decode -> encode
+    roundtrip_mismatch_share: float | None = None  # roundtrip_mismatched / roundtrip_checked
 
 
 class DatasetInventory(msgspec.Struct, kw_only=True):
@@ -62,6 +77,7 @@ class DatasetInventory(msgspec.Struct, kw_only=True):
     budget_tokens: int | None
     share_done: float | None
     remaining_tokens: int | None
+    prompts_left: int | None = None  # prompts of the dataset file with no result (None: file not read)
     spend_usd: float
     cost_to_finish_usd: dict[str, float]
     validation: Validation
@@ -138,6 +154,10 @@ def _scan(paths: list[str], vocab_size: int | None, eot_id: int | None, sample_r
         sp.completion_tokens += record_tokens(rec)
         sp.prompt_tokens += rec.prompt_tokens
         sp.cost_usd += rec.cost_usd
+        if rec.usage.completion_tokens:
+            sp.provider_responses += 1
+            sp.provider_completion_tokens += rec.usage.completion_tokens
+            sp.provider_difference += record_tokens(rec) - rec.usage.completion_tokens
         h = _prompt_hash(rec)
         part.prompts[h] = part.prompts.get(h, 0) + 1
         part.truncated += rec.truncated
@@ -162,8 +182,13 @@ def inventory_dataset(
     roundtrip_sample: int = 200,
     roundtrip_tokens: int = 100_000,
     processes: int | None = None,
+    prompt_keys: set[str] | None = None,
 ) -> DatasetInventory:
-    """One dataset's inventory. Large stores are read by a process per core, split by file."""
+    """One dataset's inventory. Large stores are read by a process per core, split by file.
+
+    ``prompt_keys`` (the keys of the dataset file's prompts) bound the cost to finish by the
+    prompts left; without them only the budget bounds it.
+    """
     paths = store.record_files(dataset)
     vocab = tokenizer.vocab_size if tokenizer else None
     eot = tokenizer.eot_id if tokenizer else None
@@ -189,6 +214,9 @@ def inventory_dataset(
             acc.completion_tokens += sp.completion_tokens
             acc.prompt_tokens += sp.prompt_tokens
             acc.cost_usd += sp.cost_usd
+            acc.provider_responses += sp.provider_responses
+            acc.provider_completion_tokens += sp.provider_completion_tokens
+            acc.provider_difference += sp.provider_difference
         prompts.update(part.prompts)
         v.truncated += part.truncated
         v.schema_errors += part.schema_errors
@@ -202,8 +230,8 @@ def inventory_dataset(
     sample = sample[:roundtrip_sample]
     if tokenizer is not None and sample:
         v.roundtrip_checked = len(sample)
-        v.roundtrip_mismatch = tokenizer.roundtrip_mismatches(sample)
-        v.roundtrip_share = round(v.roundtrip_mismatch / len(sample), 4)
+        v.roundtrip_mismatched = tokenizer.roundtrip_mismatches(sample)
+        v.roundtrip_mismatch_share = round(v.roundtrip_mismatched / len(sample), 4)
 
     by_source = sorted(splits.values(), key=lambda s: (s.backend_kind, s.backend, s.token_source))
     responses = sum(s.responses for s in by_source)
@@ -211,18 +239,37 @@ def inventory_dataset(
     prompt_tokens = sum(s.prompt_tokens for s in by_source)
     mean = tokens / responses if responses else None
     remaining = max(0, budget - tokens) if budget else None
+    prompts_left = None
+    if prompt_keys is not None:
+        stored = {os.path.basename(p)[:-5] for p in paths}
+        prompts_left = len(prompt_keys - stored)
     cost = {}
-    if remaining is not None and mean:
-        left = remaining / mean  # responses still to generate
-        mean_prompt = prompt_tokens / responses
-        for name, (p_in, p_out) in prices.items():
-            cost[name] = round(remaining * p_out / 1e6 + left * mean_prompt * p_in / 1e6, 2)
+    if mean:
+        # responses still to generate: until the budget or the prompts run out, whichever is first
+        bounds = [b for b in (remaining / mean if remaining is not None else None, prompts_left) if b is not None]
+        if bounds:
+            left = min(bounds)
+            mean_prompt = prompt_tokens / responses
+            for name, (p_in, p_out) in prices.items():
+                cost[name] = round(left * mean * p_out / 1e6 + left * mean_prompt * p_in / 1e6, 2)
     return DatasetInventory(
         dataset=dataset, responses=responses, completion_tokens=tokens, prompt_tokens=prompt_tokens,
         mean_tokens=round(mean, 1) if mean else None, by_source=by_source, budget_tokens=budget,
-        share_done=round(tokens / budget, 4) if budget else None, remaining_tokens=remaining,
+        share_done=round(tokens / budget, 4) if budget else None, remaining_tokens=remaining, prompts_left=prompts_left,
         spend_usd=round(sum(s.cost_usd for s in by_source), 4), cost_to_finish_usd=cost, validation=v,
     )
+
+
+def _dataset_keys(ds: DatasetConfig, settings: GenerationSettings) -> set[str] | None:
+    """The keys of the dataset file's prompts, as enqueue makes them; None if the file is unreadable."""
+    keys = set()
+    for item in read_prompts(ds):
+        if isinstance(item, Rejection):
+            if item.entry.line is None:
+                return None
+            continue
+        keys.add(prompt_key(ds.name, prompt_messages(ds, item), settings))
+    return keys
 
 
 def run_inventory(
@@ -239,12 +286,15 @@ def run_inventory(
     prices = {n: (c.price_input_per_mtok, c.price_output_per_mtok) for n, c in (cfg.clouds.items() if cfg else [])}
     out = []
     for name in names:
+        manifest = store.manifest(name)
+        keys = None
         if cfg is not None and any(d.name == name for d in cfg.datasets):
-            budget = cfg.dataset(name).budget_tokens
+            ds = cfg.dataset(name)
+            budget = ds.budget_tokens
+            keys = _dataset_keys(ds, manifest.settings if manifest else ds.settings(cfg.fleet.model))
         else:
-            manifest = store.manifest(name)
             budget = manifest.budget_tokens if manifest else None
         out.append(inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,
-                                     roundtrip_sample=roundtrip_sample, processes=processes))
+                                     roundtrip_sample=roundtrip_sample, processes=processes, prompt_keys=keys))
     return out
 

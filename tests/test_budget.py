@@ -149,7 +149,7 @@ def test_inventory_import_resume_and_export_round_trip(tmp_path, redis_server, t
     assert inv["cost_to_finish_usd"]["cloudy"] > 0
     v = inv["validation"]
     assert (v["schema_errors"], v["ids_out_of_vocab"], v["stop_without_eot"], v["duplicate_prompts"]) == (0, 0, 0, 0)
-    assert v["roundtrip_checked"] == 40 and 0 <= v["roundtrip_share"] <= 1
+    assert v["roundtrip_checked"] == 40 and 0 <= v["roundtrip_mismatch_share"] <= 1
 
     # export both formats; importing the raw export into a fresh store reads back the same counts
     out = tmp_path / "export"
