@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 
 URL_FILE = "redis.url"
+STATE_DIR = "_redis"
 
 
 class BrokerError(RuntimeError):
@@ -61,19 +63,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ping(url: str, timeout: float = 1.0) -> bool:
+# Admin commands the fleet never sends. With the password, CONFIG SET dir + SAVE writes a file
+# anywhere as the fleet's user; DEBUG and MODULE run code; REPLICAOF pulls data (and, with
+# MODULE, code) from another server. Renamed to "" they do not exist (redis 6.2 and 7).
+DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE", "SAVE", "BGSAVE", "REPLICAOF", "SLAVEOF")
+_PRIVATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+
+
+def check_private_dir(path: Path, *, group_writable_ok: bool = False) -> None:
+    """Refuse a folder another user could have planted or could change: a symlink, a folder owned by
+    someone else, or one writable by group or others (for ``_redis``: anything but 0700)."""
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except (redis.RedisError, OSError):
-        return False
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise BrokerError(f"refusing {path}: not a plain folder (a symlink or a file); remove it")
+    if st.st_uid != os.geteuid():
+        raise BrokerError(f"refusing {path}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); "
+                          "another user could control the fleet's Redis")
+    loose = st.st_mode & (0o002 if group_writable_ok else 0o077 if path.name == STATE_DIR else 0o022)
+    if loose:
+        raise BrokerError(f"refusing {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users write or read it; "
+                          f"chmod {'700' if path.name == STATE_DIR else 'go-w'} {path}")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Create ``path`` afresh, 0600, never through a symlink or into a file someone else made."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, _PRIVATE_FLAGS, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
 
 
 class EmbeddedRedis:
-    """A private redis-server owned by one store folder (started on demand, daemonized)."""
+    """A private redis-server owned by one store folder (started on demand, daemonized).
+
+    Its state folder must be this user's and 0700, its store not writable by others: the URL file
+    holds the password and says which server the fleet trusts with every prompt. A URL is used
+    only when the server answering it is the one whose pid file is in that folder.
+    """
 
     def __init__(self, state_dir: str | Path):
         self.dir = Path(state_dir)
@@ -82,43 +111,70 @@ class EmbeddedRedis:
     def url_file(self) -> Path:
         return self.dir / URL_FILE
 
+    def _check(self) -> None:
+        check_private_dir(self.dir.parent)
+        check_private_dir(self.dir)
+
     def running_url(self) -> str | None:
-        if self.url_file.exists():
-            url = self.url_file.read_text().strip()
-            if _ping(url):
-                return url
-        return None
+        self._check()
+        try:
+            fd = os.open(self.url_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except (FileNotFoundError, OSError):
+            return None
+        with os.fdopen(fd) as fh:
+            st = os.fstat(fh.fileno())
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                return None
+            url = fh.read().strip()
+        return url if self._ours(url) else None
+
+    def _ours(self, url: str) -> bool:
+        """The URL is loopback and its server's pid is the one in this folder's pid file."""
+        if urlsplit(url).hostname != "127.0.0.1":
+            return False
+        try:
+            pid = int((self.dir / "redis.pid").read_text().strip())
+            client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
+            try:
+                return int(client.info("server")["process_id"]) == pid
+            finally:
+                client.close()
+        except (OSError, ValueError, KeyError, redis.RedisError):
+            return False
 
     def ensure(self, timeout: float = 15.0) -> str:
         """Return the URL of this store's server, starting it if it is not running."""
+        from draftfleet.store import Store
+
+        Store(self.dir.parent).prepare()
         url = self.running_url()
         if url:
             return url
-        self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o700)
+        try:
+            os.mkdir(self.dir, 0o700)
+        except FileExistsError:
+            pass
+        self._check()
         port = _free_port()
         password = secrets.token_urlsafe(24)
         conf = self.dir / "redis.conf"
+        disabled = "".join(f'rename-command {c} ""\n' for c in DISABLED_COMMANDS)
         # The password goes in a 0600 config file, not on the command line (visible in ps).
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(
-                f"bind 127.0.0.1\nport {port}\nrequirepass {password}\ndaemonize yes\n"
-                f"dir {self.dir}\npidfile {self.dir / 'redis.pid'}\nlogfile {self.dir / 'redis.log'}\n"
-                "appendonly yes\nappendfsync everysec\nsave \"\"\nprotected-mode yes\n"
-            )
+        _write_private(conf, (
+            f"bind 127.0.0.1\nport {port}\nrequirepass {password}\ndaemonize yes\n"
+            f"dir {self.dir}\npidfile {self.dir / 'redis.pid'}\nlogfile {self.dir / 'redis.log'}\n"
+            "appendonly yes\nappendfsync everysec\nsave \"\"\nprotected-mode yes\n" + disabled
+        ))
         proc = subprocess.run([redis_binary(), str(conf)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise BrokerError(f"redis-server failed to start (see {self.dir / 'redis.log'}): {proc.stderr.strip()}")
         url = f"redis://:{quote(password, safe='')}@127.0.0.1:{port}/0"
         deadline = time.monotonic() + timeout
-        while not _ping(url):
+        while not self._ours(url):
             if time.monotonic() > deadline:
                 raise BrokerError(f"embedded redis did not answer within {timeout:.0f}s (see {self.dir / 'redis.log'})")
             time.sleep(0.05)
-        fd = os.open(self.url_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(url + "\n")
+        _write_private(self.url_file, url + "\n")
         return url
 
     def stop(self) -> bool:
@@ -151,7 +207,7 @@ def resolve_redis_url(explicit: str | None, configured: str | None, store: str |
         return verified_tls(url)
     if store is None:
         raise BrokerError("no Redis: pass --redis-url, set REDIS_URL, or give a store for the embedded server")
-    return EmbeddedRedis(Path(store) / "_redis").ensure()
+    return EmbeddedRedis(Path(store) / STATE_DIR).ensure()
 
 
 def connect(url: str) -> redis.Redis:

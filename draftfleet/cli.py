@@ -603,10 +603,11 @@ def main(argv: list[str] | None = None) -> int:
             # redis-py names host and port, never the password
             err.print(f"[red]cannot reach Redis[/]: {escape(str(exc))}", highlight=False)
             return 1
-        if isinstance(exc, (BrokerError, TokenizerError, OSError)):
+        if isinstance(exc, (BrokerError, StoreError, TokenizerError, OSError)):
             err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
             return 1
         raise
+        from draftfleet.store import StoreError
 
 
 if __name__ == "__main__":

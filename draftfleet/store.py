@@ -7,6 +7,7 @@ Layout under the root::
     _failures/<dataset>/<key>.json     tasks whose retries ran out (re-queueable)
     _quarantine/<dataset>.jsonl        input lines that were rejected, verbatim
 
+    .draftfleet-store                  marker: this folder is a fleet store (see ``Store.prepare``)
 Writes are atomic (temp file in the same folder, fsync, then ``link``): ``link`` fails when the
 target exists, so of two workers finishing the same key exactly one wins, on any POSIX file
 system including NFS. The winner is the only one that counts the record.
@@ -29,6 +30,9 @@ KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _encoder = msgspec.json.Encoder()
 _record_decoder = msgspec.json.Decoder(ResponseRecord)
 _failure_decoder = msgspec.json.Decoder(FailureRecord)
+MARKER = ".draftfleet-store"
+# What a store made before the marker existed can hold: it is recognised, and marked.
+_FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "lost+found"}
 _manifest_decoder = msgspec.json.Decoder(DatasetManifest)
 
 
@@ -91,6 +95,32 @@ class Store:
 
     def has(self, dataset: str, key: str) -> bool:
         return self.path(dataset, key).exists()
+
+    def prepare(self) -> None:
+        """Make sure the root is the fleet's own before anything is written under it.
+
+        Refused: a file-system root, and a folder holding anything the fleet did not make (a
+        dataset named ``etc`` under ``/`` would write ``/etc/manifest.json``). A new or empty
+        folder gets the marker; a store made before the marker existed (only dataset folders
+        with a manifest and the fleet's ``_`` folders) is recognised and marked.
+        """
+        root = self.root.resolve()
+        if root == Path(root.anchor):
+            raise StoreError(f"refusing store {self.root}: a file-system root; use a folder of its own")
+        if (root / MARKER).is_file():
+            return
+        if root.exists():
+            if not root.is_dir():
+                raise StoreError(f"refusing store {self.root}: not a folder")
+            foreign = sorted(e.name for e in os.scandir(root) if not (
+                e.name in _FLEET_ENTRIES or (e.is_dir(follow_symlinks=False) and NAME_RE.match(e.name)
+                                             and os.path.isfile(os.path.join(e.path, "manifest.json")))))
+            if foreign:
+                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+                raise StoreError(f"refusing store {self.root}: it holds files the fleet did not make ({shown}) "
+                                 f"and no {MARKER} marker; use an empty folder")
+        root.mkdir(parents=True, exist_ok=True)
+        (root / MARKER).write_text('{"draftfleet_store": 1}\n')
 
     def put(self, record: ResponseRecord) -> bool:
         """Write ``record`` once. True if this call stored it, False if the key already had one."""

@@ -90,6 +90,7 @@ class EnqueueSummary(msgspec.Struct, kw_only=True):
 
 def check_manifest(store: Store, cfg: FleetConfig, ds: DatasetConfig, new_version: bool) -> DatasetManifest:
     """Pin the dataset's settings; refuse to mix settings in one version of a dataset."""
+    store.prepare()
     settings = ds.settings(cfg.fleet.model)
     sid = settings_id(settings)
     current = store.manifest(ds.name)

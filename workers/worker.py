@@ -131,7 +131,9 @@ def run_worker(
         app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"
         app.conf.broker_transport = "draftfleet.workers.consumer:Transport"
         register(app)
-        rt = Runtime(app, cfg, Store(cfg.fleet.store), r, backend, hostname, names, pause_s)
+        store = Store(cfg.fleet.store)
+        store.prepare()
+        rt = Runtime(app, cfg, store, r, backend, hostname, names, pause_s)
         install(rt)
         rt.start()
         if server is not None:

@@ -1,0 +1,175 @@
+"""Hardening (issue 12): a store and an embedded Redis nobody else can take over, bounded input.
+
+Tests run as root here: "another user" is made with ``os.chown`` to another uid, "writable by
+others" with ``chmod``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+
+from draftfleet.broker import BrokerError, EmbeddedRedis
+from draftfleet import store as store_module
+from draftfleet.store import Store, StoreError
+from tests.conftest import RedisServer, run_cli, write_config, write_jsonl
+
+OTHER_UID = 4242
+
+
+@pytest.fixture
+def embedded(tmp_path):
+    """An EmbeddedRedis in ``tmp_path/store/_redis``, stopped at the end if it started."""
+    emb = EmbeddedRedis(tmp_path / "store" / "_redis")
+    yield emb
+    try:
+        emb.stop()
+    except BrokerError:
+        pass
+
+
+# -- the embedded Redis ------------------------------------------------------------------------
+class TestEmbeddedRedis:
+    def test_refuses_a_redis_folder_owned_by_another_user(self, tmp_path, embedded):
+        embedded.dir.mkdir(parents=True, mode=0o700)
+        os.chown(embedded.dir, OTHER_UID, OTHER_UID)
+        with pytest.raises(BrokerError, match=r"_redis: owned by uid 4242, not by this user"):
+            embedded.ensure()
+        assert not (embedded.dir / "redis.conf").exists()
+
+    def test_refuses_a_store_owned_by_another_user(self, tmp_path, embedded):
+        embedded.dir.parent.mkdir()
+        os.chown(embedded.dir.parent, OTHER_UID, OTHER_UID)
+        with pytest.raises(BrokerError, match=r"store: owned by uid 4242"):
+            embedded.ensure()
+        assert not embedded.dir.exists()
+
+    @pytest.mark.parametrize("where,mode", [("_redis", 0o770), ("_redis", 0o707), ("_redis", 0o755),
+                                            ("store", 0o777), ("store", 0o775)])
+    def test_refuses_folders_other_users_can_write(self, tmp_path, embedded, where, mode):
+        embedded.dir.mkdir(parents=True, mode=0o700)
+        folder = embedded.dir if where == "_redis" else embedded.dir.parent
+        folder.chmod(mode)
+        with pytest.raises(BrokerError, match=rf"refusing .*{where}: mode {mode:04o}") as info:
+            embedded.ensure()
+        assert "\n" not in str(info.value)  # one line
+        assert not (embedded.dir / "redis.conf").exists()
+
+    def test_refuses_a_symlinked_redis_folder(self, tmp_path, embedded):
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir(mode=0o700)
+        embedded.dir.parent.mkdir()
+        embedded.dir.symlink_to(elsewhere)
+        with pytest.raises(BrokerError, match="not a plain folder"):
+            embedded.ensure()
+        assert list(elsewhere.iterdir()) == []
+
+    def test_never_writes_through_a_planted_symlink(self, tmp_path, embedded):
+        """redis.conf (the password) and redis.url are created afresh, never through a link."""
+        embedded.dir.mkdir(parents=True, mode=0o700)
+        bait = tmp_path / "bait"
+        bait.write_text("")
+        bait.chmod(0o666)
+        (embedded.dir / "redis.conf").symlink_to(bait)
+        (embedded.dir / "redis.url").symlink_to(bait)
+        url = embedded.ensure()
+        assert bait.read_text() == ""
+        for name in ("redis.conf", "redis.url"):
+            st = os.lstat(embedded.dir / name)
+            assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, name
+        assert embedded.running_url() == url
+
+    def test_a_planted_url_is_not_trusted(self, tmp_path, embedded):
+        """A redis.url whose server answers pings but is not this store's own is ignored."""
+        foreign = RedisServer(tmp_path / "foreign")
+        foreign.start()
+        try:
+            embedded.dir.mkdir(parents=True, mode=0o700)
+            fd = os.open(embedded.dir / "redis.url", os.O_WRONLY | os.O_CREAT, 0o600)
+            os.write(fd, foreign.url.encode() + b"\n")
+            os.close(fd)
+            assert embedded.running_url() is None
+            url = embedded.ensure()
+            assert url != foreign.url and f":{foreign.port}/" not in url
+            r = redis.Redis.from_url(url)
+            r.set("probe", "ours")
+            assert foreign.client().get("probe") is None
+        finally:
+            foreign.stop()
+
+    def test_admin_commands_are_disabled(self, embedded, tmp_path):
+        """With the password, CONFIG SET dir + SAVE would write a file anywhere as the fleet's user."""
+        r = redis.Redis.from_url(embedded.ensure())
+        r.set("k", "v")
+        for cmd in (("CONFIG", "SET", "dir", str(tmp_path)), ("CONFIG", "GET", "dir"), ("SAVE",), ("BGSAVE",),
+                    ("DEBUG", "SLEEP", "0"), ("MODULE", "LIST"), ("REPLICAOF", "127.0.0.1", "1"),
+                    ("SLAVEOF", "127.0.0.1", "1")):
+            with pytest.raises(redis.ResponseError, match="unknown command"):
+                r.execute_command(*cmd)
+        assert r.get("k") == b"v"  # what the fleet uses still works
+        assert embedded.stop()
+
+    def test_cli_reports_a_planted_store_in_one_line(self, tmp_path, tokenizer_dir):
+        config = write_config(tmp_path, tokenizer=tokenizer_dir, datasets=[{"name": "ds", "path": str(tmp_path / "x")}])
+        (tmp_path / "store" / "_redis").mkdir(parents=True, mode=0o700)
+        os.chown(tmp_path / "store" / "_redis", OTHER_UID, OTHER_UID)
+        env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "COLUMNS": "500"}
+        res = subprocess.run([sys.executable, "-m", "draftfleet", "redis", "start", "--config", str(config)],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert res.returncode == 1
+        assert res.stderr.strip().count("\n") == 0 and "owned by uid 4242" in res.stderr, res.stderr
+
+
+# -- the store's root --------------------------------------------------------------------------
+class TestStoreRoot:
+    def test_a_file_system_root_is_refused(self):
+        with pytest.raises(StoreError, match="a file-system root"):
+            Store("/").prepare()
+
+    def test_a_folder_with_foreign_content_is_refused(self, tmp_path):
+        (tmp_path / "passwd").write_text("root:x:0:0\n")
+        (tmp_path / "ssh").mkdir()
+        with pytest.raises(StoreError, match=r"did not make \(passwd, ssh\)"):
+            Store(tmp_path).prepare()
+        assert not (tmp_path / store_module.MARKER).exists()
+
+    def test_a_new_or_empty_folder_gets_the_marker(self, tmp_path):
+        Store(tmp_path / "new" / "store").prepare()
+        assert (tmp_path / "new" / "store" / store_module.MARKER).is_file()
+        (tmp_path / "empty").mkdir()
+        Store(tmp_path / "empty").prepare()
+        assert (tmp_path / "empty" / store_module.MARKER).is_file()
+
+    def test_a_store_made_before_the_marker_is_recognised(self, tmp_path):
+        (tmp_path / "ds" / "ab").mkdir(parents=True)
+        (tmp_path / "ds" / "manifest.json").write_text("{}")
+        for name in ("_redis", "_failures", "_quarantine", "_state"):
+            (tmp_path / name).mkdir()
+        Store(tmp_path).prepare()
+        assert (tmp_path / store_module.MARKER).is_file()
+        (tmp_path / "foreign.txt").write_text("x")
+        Store(tmp_path).prepare()  # marked: whatever is added later is the operator's business
+
+    def test_a_folder_without_manifest_is_not_a_dataset(self, tmp_path):
+        (tmp_path / "etc").mkdir()
+        with pytest.raises(StoreError, match=r"\(etc\)"):
+            Store(tmp_path).prepare()
+
+    def test_enqueue_refuses_a_system_folder_as_store(self, tmp_path, tokenizer_dir, redis_server):
+        data = write_jsonl(tmp_path / "data" / "p.jsonl", [{"prompt": "hi"}])
+        system = tmp_path / "sys"
+        (system / "etc").mkdir(parents=True)
+        (system / "etc" / "hosts").write_text("127.0.0.1 localhost\n")
+        config = write_config(tmp_path, tokenizer=tokenizer_dir, datasets=[{"name": "etc", "path": str(data)}])
+        res = run_cli("enqueue", "--config", str(config), "--store", str(system), env={"REDIS_URL": redis_server.url})
+        assert res.returncode == 1 and "refusing store" in res.stderr and "(etc)" in res.stderr, res.stderr
+        assert not (system / "etc" / "manifest.json").exists()
+        assert redis_server.client().llen("draftfleet.etc") == 0
