@@ -413,7 +413,8 @@ def cmd_import(args) -> int:
     except Exception as exc:  # counting can wait: the reconciler counts what the store holds
         err.print(f"[yellow]counters not updated ({type(exc).__name__}); `draftfleet reconcile` will count them[/]")
         ledger = None
-    summary = import_file(args.path, ds, manifest, store, _optional_tokenizer(args, cfg), ledger, args.label)
+    summary = import_file(args.path, ds, manifest, store, _optional_tokenizer(args, cfg), ledger, args.label,
+                          finish_rule=args.finish_rule)
     if args.json:
         print(msgspec.json.encode(summary).decode())
         return 0
@@ -425,6 +426,12 @@ def cmd_import(args) -> int:
                   + f"; raw lines in {store.quarantine_path(ds.name)}", highlight=False)
     if summary.cut_last_line:
         out.print("[yellow]the last line was cut off (the writer was killed mid-line): skipped[/]")
+    how = {"file": "from the file's finish_reason", "end_of_turn": "by the end-of-turn id",
+           "max_tokens": f"by length against max_tokens {ds.max_tokens:,}"}
+    parts = [f"{sum(v.values()):,} {how.get(k, k)} (" + ", ".join(f"{r} {n:,}" for r, n in sorted(v.items())) + ")"
+             for k, v in summary.finish_decided.items()]
+    if parts:
+        out.print(f"finish reasons (rule {summary.finish_rule}): " + "; ".join(parts), highlight=False)
     return 0
 
 
@@ -567,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--dataset", "-d", required=True)
     sp.add_argument("--label", default="import", help="backend name recorded on imported records")
+    sp.add_argument("--finish-rule", choices=("max-tokens", "end-of-turn"), default="max-tokens",  # importer.FINISH_RULES
+                    help="for lines without finish_reason whose ids lack the end-of-turn id: max-tokens calls them "
+                    "truncated only when at least max_tokens long (default); end-of-turn always calls them truncated")
     sp.add_argument("--tokenizer")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_import)

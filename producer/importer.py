@@ -6,6 +6,14 @@ same prompt under the dataset's settings, so a following ``enqueue`` resumes aft
 seed's "resume from prompt 1747"). Lines with ids are ``exact``; text-only lines are re-tokenized.
 A cut-off last line (the writer was killed mid-line) is reported and skipped; other bad lines go
 to the quarantine. Nothing already in the store is overwritten.
+
+A line that gives no ``finish_reason`` is classified by a rule the user picks (``FINISH_RULES``),
+and the summary says how many lines each rule decided:
+- ``max-tokens`` (default): ids ending in end-of-turn stopped; otherwise the response is truncated
+  only if it is at least ``max_tokens`` long: a short one stopped (on a stop string, or its writer
+  dropped the end-of-turn id; the ids are kept as they are). Text-only lines are measured after
+  re-tokenizing.
+- ``end-of-turn``: ids that do not end in end-of-turn are truncated, whatever their length.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.producer.enqueue import prompt_messages
 from draftfleet.producer.readers import PromptRow, Rejection, parse_line, rejection
 
+FINISH_RULES = ("max-tokens", "end-of-turn")
 TEXT_FIELDS = ("output", "response", "completion", "generated_text", "answer", "text")
 IDS_FIELDS = ("output_ids", "token_ids", "completion_ids")
 
@@ -42,6 +51,9 @@ class ImportSummary(msgspec.Struct, kw_only=True):
     cut_last_line: bool = False
     exact: int = 0
     retokenized: int = 0
+    finish_rule: str = FINISH_RULES[0]
+    # how each line's finish reason was decided ("file", "end_of_turn", "max_tokens"), then its verdict
+    finish_decided: dict[str, dict[str, int]] = {}
 
 
 class _Bad(Exception):
@@ -82,19 +94,29 @@ def _int_field(row: dict[str, Any], name: str) -> int | None:
     return None
 
 
-def _finish(row: dict[str, Any], ids: list[int], tok: TargetTokenizer | None) -> str:
+def _given_finish(row: dict[str, Any]) -> str | None:
     fr = row.get("finish_reason", (row.get("meta_info") or {}).get("finish_reason") if isinstance(row.get("meta_info"), dict) else None)
     if isinstance(fr, dict):
         fr = fr.get("type")
-    if isinstance(fr, str) and fr:
-        return fr
-    if tok is not None and ids:
-        return "stop" if ids[-1] == tok.eot_id else "length"
-    return "stop"
+    return fr if isinstance(fr, str) and fr else None
+
+
+def _finish(row: dict[str, Any], ids: list[int], tok: TargetTokenizer | None, max_tokens: int,
+            rule: str) -> tuple[str, str]:
+    """(finish reason, what decided it) for a line with ids; see the module's docstring."""
+    given = _given_finish(row)
+    if given is not None:
+        return given, "file"
+    if tok is not None and ids and ids[-1] == tok.eot_id:
+        return "stop", "end_of_turn"
+    if rule == "end-of-turn" and tok is not None and ids:
+        return "length", "end_of_turn"
+    return ("length" if len(ids) >= max_tokens else "stop"), "max_tokens"
 
 
 def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row: dict[str, Any],
-            tok: TargetTokenizer | None, label: str, source: str) -> ResponseRecord:
+            tok: TargetTokenizer | None, label: str, source: str, rule: str) -> tuple[ResponseRecord, str]:
+    """The record of one line, and what decided its finish reason."""
     messages = prompt_messages(ds, prompt)
     key = prompt_key(ds.name, messages, manifest.settings)
     text = _output_text(row)
@@ -106,7 +128,10 @@ def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row
             raise _Bad("output", f"no output: looked for {', '.join(TEXT_FIELDS + IDS_FIELDS)}")
         if tok is None:
             raise _Bad("output_ids", "no output_ids and no tokenizer to re-tokenize the text ([fleet].tokenizer)")
-        finish = _finish(row, [], None)
+        finish, decided = _given_finish(row), "file"
+        if finish is None:
+            body = tok.completion_ids(messages, text, reasoning, stopped=False)
+            finish, decided = ("length" if len(body) >= manifest.settings.max_tokens else "stop"), "max_tokens"
         ids = tok.completion_ids(messages, text, reasoning, stopped=finish == "stop")
         source_kind = "retokenized"
     else:
@@ -114,7 +139,7 @@ def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row
             if tok is None:
                 raise _Bad("output", "output_ids without text need a tokenizer to decode them")
             text = tok.decode(ids)
-        finish = _finish(row, ids, tok)
+        finish, decided = _finish(row, ids, tok, manifest.settings.max_tokens, rule)
         source_kind = "exact"
     if tok is not None and ids and (min(ids) < 0 or max(ids) >= tok.vocab_size):
         raise _Bad("output_ids", f"ids outside the tokenizer's vocabulary of {tok.vocab_size}")
@@ -130,13 +155,16 @@ def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row
         token_source=source_kind, usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=theirs or 0, cost_usd=cost),
         cost_usd=float(cost or 0.0), cost_source="provider" if cost is not None else "none", latency_s=0.0,
         attempts=1, worker="import", created_at=time.time(),
-    )
+    ), decided
 
 
 def import_file(path: str | Path, ds: DatasetConfig, manifest: DatasetManifest, store: Store,
-                tokenizer: TargetTokenizer | None, ledger: Ledger | None = None, label: str = "import") -> ImportSummary:
+                tokenizer: TargetTokenizer | None, ledger: Ledger | None = None, label: str = "import",
+                finish_rule: str = FINISH_RULES[0]) -> ImportSummary:
+    if finish_rule not in FINISH_RULES:
+        raise ValueError(f"unknown finish rule {finish_rule!r}: choose from {', '.join(FINISH_RULES)}")
     path = Path(path)
-    summary = ImportSummary(dataset=ds.name, file=str(path))
+    summary = ImportSummary(dataset=ds.name, file=str(path), finish_rule=finish_rule)
     kinds: Counter[str] = Counter()
     rejects = []
     with open(path, "rb") as fh:
@@ -150,7 +178,7 @@ def import_file(path: str | Path, ds: DatasetConfig, manifest: DatasetManifest, 
             continue
         summary.lines += 1
         where = f"{path.name}:{lineno}"
-        row, prompt = parse_line(line, ds, where, lineno)
+        row, prompt = parse_line(line, ds, where, lineno, str(path))
         if isinstance(prompt, Rejection):
             if last_cut and lineno == len(data_lines) and row is None:
                 summary.cut_last_line = True
@@ -159,12 +187,14 @@ def import_file(path: str | Path, ds: DatasetConfig, manifest: DatasetManifest, 
             rejects.append(prompt.entry)
             continue
         try:
-            rec = _record(ds, manifest, prompt, row, tokenizer, label, where)
+            rec, decided = _record(ds, manifest, prompt, row, tokenizer, label, where, finish_rule)
         except _Bad as bad:
             rej = rejection(str(path), where, lineno, "bad_output", bad.detail, field=bad.field, raw=line)
             kinds["bad_output"] += 1
             rejects.append(rej.entry)
             continue
+        verdicts = summary.finish_decided.setdefault(decided, {})
+        verdicts[rec.finish_reason] = verdicts.get(rec.finish_reason, 0) + 1
         if not store.put(rec):
             summary.already_present += 1
             continue
