@@ -238,17 +238,18 @@ def cmd_status(args) -> int:
     from draftfleet.status import render, snapshot
 
     cfg = _config(args)
+    names = _datasets(args, cfg) if args.dataset else None
     r = _redis(args, cfg)
     if args.json:
-        print(msgspec.json.encode(snapshot(cfg, r)).decode())
+        print(msgspec.json.encode(snapshot(cfg, r, names)).decode())
         return 0
     if not args.watch:
-        out.print(render(snapshot(cfg, r)))
+        out.print(render(snapshot(cfg, r, names)))
         return 0
-    with Live(render(snapshot(cfg, r)), console=out, refresh_per_second=1) as live:
+    with Live(render(snapshot(cfg, r, names)), console=out, refresh_per_second=1) as live:
         while True:
             time.sleep(args.interval)
-            live.update(render(snapshot(cfg, r)))
+            live.update(render(snapshot(cfg, r, names)))
 
 
 def _pivot_report(args, cfg, result, title: str) -> int:
@@ -533,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_flower)
     sp = sub.add_parser("status", help="workers, queues, tokens against budget, spend, ETA")
     common(sp)
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
     sp.add_argument("--watch", action="store_true", help="refresh until interrupted")
     sp.add_argument("--interval", type=float, default=2.0)
     sp.add_argument("--json", action="store_true")

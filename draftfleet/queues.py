@@ -55,3 +55,17 @@ def queued_keys(r: redis.Redis, dataset: str, batch: int = 5000) -> set[str]:
 def depth(r: redis.Redis, dataset: str) -> int:
     """Messages waiting in a dataset's queue (not counting those workers hold)."""
     return int(r.llen(rk.queue(dataset)))
+
+
+def held(r: redis.Redis) -> dict[str, int]:
+    """Messages delivered to some worker and not yet acknowledged, by dataset (one scan of ``unacked``)."""
+    counts: dict[str, int] = {}
+    for _tag, raw in r.hscan_iter(rk.UNACKED, count=1000):
+        try:
+            _env_, _exchange, routing_key = _unacked.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        name = rk.dataset_of_queue(routing_key)
+        if name:
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -3,6 +3,8 @@
 Workers publish their own reports (kind, host, GPU or URL, in flight, paused) every few seconds;
 queue depth comes from Redis itself (Flower lists only queues some worker consumes); tokens,
 spend and rates come from the ledger's counters, which the reconciler keeps equal to the store.
+The rendering fits 80 columns (a terminal or a pipe) without cutting a number: counts are
+shortened (``1.23M``) rather than clipped, and text columns fold.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ import time
 
 import msgspec
 import redis
+from rich import box
 from rich.console import Group
-from rich.progress_bar import ProgressBar
+from rich.markup import escape
 from rich.table import Table
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import kinds_for
 from draftfleet.ledger import Ledger
-from draftfleet.queues import depth
+from draftfleet.queues import depth, held
 from draftfleet.schemas.config import FleetConfig
 
 
@@ -31,6 +34,7 @@ class WorkerRow(msgspec.Struct, kw_only=True):
     inflight: int
     slots: int
     paused: str | None
+    waiting: str | None = None  # starting up: waiting for its server (what it waits for)
     age_s: float
 
 
@@ -47,6 +51,7 @@ class DatasetRow(msgspec.Struct, kw_only=True):
     dataset: str
     assigned: list[str]
     queue_depth: int
+    held: int  # delivered to a worker, not acknowledged yet (running, prefetched or deferred)
     inflight: int
     responses: int
     completion_tokens: int
@@ -54,6 +59,7 @@ class DatasetRow(msgspec.Struct, kw_only=True):
     share_done: float | None
     remaining_tokens: int | None
     closed: bool
+    finished: bool  # nothing queued or held: every enqueued prompt has an outcome
     tps_1m: float
     tps_10m: float
     eta_s: float | None
@@ -81,76 +87,139 @@ def worker_reports(r: redis.Redis) -> list[dict]:
     return [msgspec.json.decode(v) for v in values if v]
 
 
-def snapshot(cfg: FleetConfig, r: redis.Redis) -> Snapshot:
+def eta_s(*, closed: bool, prompts_left: int, remaining_tokens: int | None, mean_tokens: float | None,
+          tps: float) -> float | None:
+    """Seconds until the prompts or the budget run out, whichever is first, at ``tps`` tokens/s.
+
+    None for a closed or finished dataset, and while there is no rate or no mean to go by.
+    """
+    if closed or prompts_left == 0 or tps <= 0 or not mean_tokens:
+        return None
+    tokens = prompts_left * mean_tokens
+    if remaining_tokens is not None:
+        tokens = min(tokens, remaining_tokens)
+    return round(tokens / tps)
+
+
+def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None) -> Snapshot:
+    """The fleet now; ``datasets`` limits the dataset rows (and the workers shown) to those named."""
     now = time.time()
     ledger = Ledger(r)
     reports = worker_reports(r)
+    chosen = [cfg.dataset(n) for n in datasets] if datasets else list(cfg.datasets)
+    if datasets:
+        reports = [w for w in reports if not w.get("datasets") or set(w["datasets"]) & set(datasets)]
     workers = [
         WorkerRow(hostname=w["hostname"], kind=w["kind"], backend=w["backend"], endpoint=w.get("endpoint", ""),
                   datasets=w.get("datasets", []),
                   inflight=sum(w.get("inflight", {}).values()), slots=w.get("slots", 0), paused=w.get("paused"),
-                  age_s=round(now - w.get("at", now), 1))
+                  waiting=w.get("waiting"), age_s=round(now - w.get("at", now), 1))
         for w in sorted(reports, key=lambda w: (w["kind"], w["hostname"]))
     ]
-    datasets = []
+    rows = []
     all_totals = ledger.all_totals()
-    for ds in cfg.datasets:
+    holding = held(r)
+    for ds in chosen:
         inflight = sum(w.get("inflight", {}).get(ds.name, 0) for w in reports)
         totals = all_totals.get(ds.name, {})
+        names = sorted(totals)
+        rates = ledger.rates(ds.name, names, [60, 600], now) if names else {}
         backends = [
             BackendRow(backend=b, responses=t.get("responses", 0), completion_tokens=t.get("completion_tokens", 0),
-                       cost_usd=t.get("cost_micro_usd", 0) / 1e6, tps_1m=round(ledger.rate(ds.name, b, 60, now), 1),
-                       tps_10m=round(ledger.rate(ds.name, b, 600, now), 1))
-            for b, t in sorted(totals.items())
+                       cost_usd=t.get("cost_micro_usd", 0) / 1e6, tps_1m=round(rates[b][0], 1),
+                       tps_10m=round(rates[b][1], 1))
+            for b, t in ((b, totals[b]) for b in names)
         ]
         done = sum(b.completion_tokens for b in backends)
+        responses = sum(b.responses for b in backends)
         tps_10m = sum(b.tps_10m for b in backends)
         budget = ds.budget_tokens
         remaining = max(0, budget - done) if budget else None
+        queued, holds = depth(r, ds.name), holding.get(ds.name, 0)
+        closed = ledger.closed_at(ds.name) is not None
         events = ledger.events(ds.name)
-        datasets.append(DatasetRow(
-            dataset=ds.name, assigned=sorted(kinds_for(r, ds.name)), queue_depth=depth(r, ds.name),
-            inflight=inflight, responses=sum(b.responses for b in backends), completion_tokens=done,
+        rows.append(DatasetRow(
+            dataset=ds.name, assigned=sorted(kinds_for(r, ds.name)), queue_depth=queued, held=holds,
+            inflight=inflight, responses=responses, completion_tokens=done,
             budget_tokens=budget, share_done=round(done / budget, 4) if budget else None, remaining_tokens=remaining,
-            closed=ledger.closed_at(ds.name) is not None, tps_1m=round(sum(b.tps_1m for b in backends), 1),
-            tps_10m=round(tps_10m, 1), eta_s=round(remaining / tps_10m) if remaining and tps_10m > 0 else None,
+            closed=closed, finished=not closed and responses > 0 and queued + holds == 0,
+            tps_1m=round(sum(b.tps_1m for b in backends), 1), tps_10m=round(tps_10m, 1),
+            eta_s=eta_s(closed=closed, prompts_left=queued + holds, remaining_tokens=remaining,
+                        mean_tokens=done / responses if responses else None, tps=tps_10m),
             backends=backends, retries=sum(v for k, v in events.items() if k.startswith("retry:")),
             failures=sum(v for k, v in events.items() if k.startswith("failed:")),
         ))
     spend = [SpendRow(backend=name, spent_usd=ledger.spend_usd(name), cap_usd=cb.max_spend_usd)
              for name, cb in sorted(cfg.clouds.items())]
-    return Snapshot(at=now, workers=workers, datasets=datasets, spend=spend)
+    return Snapshot(at=now, workers=workers, datasets=rows, spend=spend)
 
 
-def _eta(seconds: float | None) -> str:
-    if seconds is None:
+def _eta(d: DatasetRow) -> str:
+    if d.closed:
+        return "closed"
+    if d.finished:
+        return "done"
+    if d.eta_s is None:
         return "-"
-    h, rest = divmod(int(seconds), 3600)
+    h, rest = divmod(int(d.eta_s), 3600)
+    if h >= 100:
+        return f"{h // 24}d"
     return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
 
 
+def _n(x: float) -> str:
+    """A count in at most 7 characters: exact below 100,000, else 3 significant digits and a unit."""
+    if abs(x) < 100_000:
+        return f"{x:,.0f}"
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= size:
+            v = x / size
+            return f"{v:.3g}{unit}" if v < 1000 else f"{v:,.0f}{unit}"
+    return f"{x:,.0f}"
+
+
+def _usd(x: float) -> str:
+    return f"{x:,.2f}" if x < 100_000 else _n(x)
+
+
+def _table(title: str, columns: list[tuple[str, bool]]) -> Table:
+    """A borderless table; numeric columns (``True``) never wrap, text columns fold when narrow."""
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    for name, numeric in columns:
+        if numeric:
+            t.add_column(name, justify="right", no_wrap=True)
+        else:
+            t.add_column(name, overflow="fold")
+    return t
+
+
 def render(snap: Snapshot) -> Group:
-    wt = Table(title="workers", title_justify="left")
-    for col in ("worker", "kind", "backend", "server", "datasets", "in flight", "state"):
-        wt.add_column(col, justify="right" if col == "in flight" else "left")
+    wt = _table("workers", [("worker", False), ("backend", False), ("server", False), ("datasets", False),
+                            ("in flight", True), ("state", False)])
     for w in snap.workers:
-        state = f"[red]paused: {w.paused}[/]" if w.paused else ("[yellow]stale[/]" if w.age_s > 60 else "ok")
-        wt.add_row(w.hostname, w.kind, w.backend, w.endpoint, ",".join(w.datasets) or "-", f"{w.inflight}/{w.slots}",
-                   state)
-    dt = Table(title="datasets", title_justify="left")
-    for col in ("dataset", "kinds", "queued", "in flight", "responses", "tokens", "budget", "", "tok/s 1m", "tok/s 10m", "ETA"):
-        dt.add_column(col, justify="left" if col in ("dataset", "kinds", "") else "right")
+        if w.waiting:
+            state = f"[yellow]waiting for {escape(w.waiting)}[/]"
+        elif w.paused:
+            state = f"[red]paused: {escape(w.paused)}[/]"
+        else:
+            state = "[yellow]stale[/]" if w.age_s > 60 else "ok"
+        wt.add_row(escape(w.hostname), f"{escape(w.backend)} ({w.kind})", escape(w.endpoint), ",".join(w.datasets) or "-",
+                   f"{w.inflight}/{w.slots}", state)
+    dt = _table("datasets (kinds assigned)", [("dataset", False), ("queued", True), ("running", True), ("done", True),
+                                              ("tokens", True), ("budget", True), ("tok/s", True), ("ETA", True)])
     for d in snap.datasets:
-        bar = ProgressBar(total=1.0, completed=min(1.0, d.share_done or 0.0), width=20) if d.budget_tokens else "-"
-        budget = f"{d.budget_tokens:,}" + (" (closed)" if d.closed else "") if d.budget_tokens else "-"
-        dt.add_row(d.dataset, ",".join(d.assigned), f"{d.queue_depth:,}", str(d.inflight), f"{d.responses:,}",
-                   f"{d.completion_tokens:,}", budget, bar, f"{d.tps_1m:,.0f}", f"{d.tps_10m:,.0f}", _eta(d.eta_s))
+        budget = f"{100 * (d.share_done or 0):.0f}% of {_n(d.budget_tokens)}" if d.budget_tokens else "-"
+        dt.add_row(f"{d.dataset} ({','.join(d.assigned) or 'none'})", _n(d.queue_depth), _n(d.inflight),
+                   _n(d.responses), _n(d.completion_tokens), budget, _n(d.tps_10m), _eta(d))
+    bt = _table("by backend (tok/s over 1 and 10 min, or the run's age if shorter)",
+                [("dataset / backend", False), ("done", True), ("tokens", True), ("1m", True), ("10m", True),
+                 ("cost $", True), ("retry", True), ("fail", True)])
+    for d in snap.datasets:
+        bt.add_row(d.dataset, "", "", "", "", "", _n(d.retries), _n(d.failures))
         for b in d.backends:
-            dt.add_row(f"  {b.backend}", "", "", "", f"{b.responses:,}", f"{b.completion_tokens:,}", "", "",
-                       f"{b.tps_1m:,.0f}", f"{b.tps_10m:,.0f}", "")
-    st = Table(title="cloud spend", title_justify="left")
-    for col in ("backend", "spent (USD)", "cap (USD)"):
-        st.add_column(col, justify="left" if col == "backend" else "right")
+            bt.add_row(f"  {b.backend}", _n(b.responses), _n(b.completion_tokens), _n(b.tps_1m), _n(b.tps_10m),
+                       _usd(b.cost_usd), "", "")
+    st = _table("cloud spend", [("backend", False), ("spent $", True), ("cap $", True)])
     for s in snap.spend:
-        st.add_row(s.backend, f"{s.spent_usd:,.2f}", f"{s.cap_usd:,.2f}" if s.cap_usd is not None else "-")
-    return Group(wt, dt, st)
+        st.add_row(s.backend, _usd(s.spent_usd), _usd(s.cap_usd) if s.cap_usd is not None else "-")
+    return Group(wt, dt, bt, st)
