@@ -5,7 +5,13 @@ OpenRouter. It speaks the same protocols (SGLang's native ``/generate``, OpenAI'
 ``/v1/chat/completions`` with OpenRouter's usage and error shapes; see FORMATS.md), answers a
 prompt with the same token ids every time, models how continuous batching shares decode
 throughput among running requests, and injects the faults real backends produce (429, 5xx,
-402, hangs, bodies cut short, aborts) at rates that can change while it runs.
+402, 403, hangs, bodies cut short, aborts) at rates that can change while it runs.
+
+It is as strict as the real servers (sglang 0.5.23, OpenRouter): unknown sampling keys, input
+beyond the context length and a missing ``--api-key`` bearer are refused with their status codes
+and error bodies; a generation stops only on the request's stop ids and the model's EOS; the
+output ids are the tokenizer's encoding of natural text, a few of them split as sampled models
+split words, so decode -> encode round trips as often as a real model's output does.
 
 It is a minimal HTTP/1.1 server on asyncio streams (request line, headers, Content-Length
 bodies, keep-alive), built on the standard library, msgspec and tokenizers only, so that it
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import heapq
 import itertools
 import logging
@@ -34,17 +41,47 @@ from typing import Any, NamedTuple, TypeVar
 import msgspec
 from tokenizers import Tokenizer
 
-__all__ = ["FAULT_KINDS", "GENERATION_PATHS", "Emulator", "EmulatorConfig", "serve"]
+__all__ = ["FAULT_KINDS", "FAULT_PATHS", "GENERATION_PATHS", "SGLANG_SAMPLING_KEYS", "Emulator", "EmulatorConfig", "serve"]
 
 log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/generate", "/v1/chat/completions")
 """The endpoints that generate, count as open requests and take faults."""
 
-FAULT_KINDS = ("429", "500", "503", "402", "200_error", "abort", "hang", "cut")
-"""Fault kinds; each has a field ``rate_<kind>``. A request draws at most one, in this order."""
+FAULT_KINDS = ("429", "500", "503", "402", "402_inflight", "403", "moderation", "200_error", "abort", "hang", "cut")
+"""Fault kinds; each has a field ``rate_<kind>``. A request draws at most one, in this order, among
+the kinds its endpoint really produces (``FAULT_PATHS``)."""
 
-_IMMEDIATE_FAULTS = frozenset({"429", "500", "503", "402", "200_error", "abort"})
+_SGLANG, _CHAT = GENERATION_PATHS
+FAULT_PATHS: dict[str, frozenset[str]] = {
+    # SGLang itself never sends 429 (FORMATS.md): on /generate it comes only from a proxy (``proxy``).
+    "429": frozenset({_CHAT}),
+    "500": frozenset(GENERATION_PATHS),
+    "503": frozenset(GENERATION_PATHS),
+    "402": frozenset({_CHAT}),
+    "402_inflight": frozenset({_CHAT}),
+    "403": frozenset({_CHAT}),
+    "moderation": frozenset({_CHAT}),
+    "200_error": frozenset({_CHAT}),
+    "abort": frozenset(GENERATION_PATHS),
+    "hang": frozenset(GENERATION_PATHS),
+    "cut": frozenset(GENERATION_PATHS),
+}
+"""Where each fault kind can happen: OpenRouter's payment, permission and in-body errors never
+come from SGLang."""
+
+# The keys SGLang's /generate accepts in sampling_params (sglang 0.5.23, api/v1/api_types.py
+# SamplingParams: "unknown keys rejected" with HTTP 400).
+SGLANG_SAMPLING_KEYS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
+    "watermark", "choice",
+)
+_SGLANG_PATHS = frozenset({"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"})
+_DEPRECATED = {"/get_model_info": "/model_info", "/get_server_info": "/server_info"}
+
 _MAX_HEAD = 1 << 20
 _MAX_BODY = 64 << 20
 _DISCONNECT_CHECK_S = 1.0  # how often to look for clients gone away (SGLang aborts their requests too)
@@ -54,55 +91,74 @@ class EmulatorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     """What the emulator serves and how; every field can change at run time.
 
     Times are model seconds; wall time is model time times ``time_scale`` (0 answers at once,
-    skipping the batch model). ``hang_s`` and ``retry_after_s`` are wall seconds.
+    skipping the batch model). ``hang_s``, ``health_s`` and ``retry_after_s`` are wall seconds.
     """
 
     tokenizer: str  # a tokenizer folder holding tokenizer.json, or the file itself
     model: str = "draftfleet/emulated"
-    end_of_turn: str = "<|im_end|>"
+    end_of_turn: str = "<|im_end|>"  # what the model writes when its turn ends
+    eos_token: str | None = None  # the model's EOS, a stop token on every request (None: end_of_turn)
     seed: int = 0
     # Completion length in tokens, end-of-turn included: fixed:N | uniform:LO:HI | lognormal:MEAN:SIGMA.
     length: str = "lognormal:200:0.6"
     reasoning_rate: float = 0.0  # share of chat completions that also carry message.reasoning
     reasoning_length: str = "lognormal:120:0.5"
+    # Share of completions in which the model writes one word split into tokens its tokenizer would
+    # not choose, as sampled models do: their ids do not survive decode -> encode (the seed: 0.5-6.5%).
+    split_rate: float = 0.03
+    context_length: int = 32768  # input + max_new_tokens (SGLang) or max_tokens (chat) beyond it: 400
+    max_output_tokens: int | None = None  # the cloud model's output cap: a larger max_tokens is a 400
     # Continuous batching: each running request decodes at min(single_stream_tps, ceiling_tps / n).
     single_stream_tps: float = 90.0
     ceiling_tps: float = 5000.0
     max_running: int = 256  # requests beyond it wait for a slot
     ttft_s: float = 0.05  # prefill delay, drawn uniformly from [0, ttft_s] per request
     time_scale: float = 1.0
+    # SGLang side: --api-key (every path but /health*, /ready, /metrics needs it); still warming
+    # up (/health answers 503); how long a /health probe takes (it runs a one-token generation).
+    sglang_api_key: str | None = None
+    loading: bool = False
+    health_s: float = 0.0
+    proxy: bool = False  # a proxy in front of /generate: 429s there, and Retry-After on its 429/503
     # Cloud side: key checked on /v1/chat/completions (None: any bearer key), prices in USD.
     api_key: str | None = None
     price_input_per_mtok: float = 0.6
     price_output_per_mtok: float = 2.5
-    # Faults, as probabilities per request (see FAULT_KINDS).
+    # Faults, as probabilities per request (see FAULT_KINDS and FAULT_PATHS).
     rate_429: float = 0.0
     rate_500: float = 0.0
     rate_503: float = 0.0
     rate_402: float = 0.0
+    rate_402_inflight: float = 0.0
+    rate_403: float = 0.0
+    rate_moderation: float = 0.0
     rate_200_error: float = 0.0
     rate_abort: float = 0.0
     rate_hang: float = 0.0
     rate_cut: float = 0.0
-    retry_after_s: float = 1.0  # Retry-After on 429 and 503 (sent as "1", or "0.5" for fast tests)
+    retry_after_s: float = 1.0  # Retry-After (sent as "1", or "0.5" for fast tests) and retry_after_seconds
     hang_s: float = 3600.0  # how long a hung request is held before it is answered
     fault_endpoints: tuple[str, ...] = GENERATION_PATHS
 
     def __post_init__(self) -> None:
         _length_sampler(self.length)
         _length_sampler(self.reasoning_length)
-        for name in ("reasoning_rate", *(f"rate_{kind}" for kind in FAULT_KINDS)):
+        for name in ("reasoning_rate", "split_rate", *(f"rate_{kind}" for kind in FAULT_KINDS)):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1]")
         for name in ("single_stream_tps", "ceiling_tps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("ttft_s", "time_scale", "hang_s", "retry_after_s", "price_input_per_mtok",
+        for name in ("ttft_s", "time_scale", "hang_s", "health_s", "retry_after_s", "price_input_per_mtok",
                      "price_output_per_mtok"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         if self.max_running < 1:
             raise ValueError("max_running must be at least 1")
+        if self.context_length < 2:
+            raise ValueError("context_length must be at least 2")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ValueError("max_output_tokens must be at least 1")
         unknown = set(self.fault_endpoints) - set(GENERATION_PATHS)
         if unknown:
             raise ValueError(f"fault_endpoints: unknown {sorted(unknown)}; known: {list(GENERATION_PATHS)}")
@@ -128,28 +184,45 @@ def _length_sampler(spec: str) -> Callable[[random.Random], int]:
     raise ValueError(f"length {spec!r}: expected fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA")
 
 
-class _Vocab:
-    """The tokenizer, its end-of-turn id, and the ids that decode alone to clean printable text.
+# Words the emulated model writes with: prose about code and data, as the fleet's prompts ask for.
+_LEXICON = tuple("""
+the a of to and in is it that for on with as this be are or from at an not have but can will you we
+your when which each one all if then so more than into out only also just how what why where first
+next last new same other some many few every most both here there now use used using make makes write
+writes read reads call calls return returns run runs keep keeps take takes give gives show shows find
+finds check checks start starts stop stops need needs code function value list string number python
+class object method test data file line error loop index array map filter query model token train batch
+queue worker budget cloud server request response result record field key table step case type name
+path time memory cache speed order count size length input output example simple fast small large
+""".split())
+_FILLERS = (" the", " a", " and", " to", " of", " it", " is", " in")  # short words for the last few tokens
+_SENTENCE_ENDS = (".", ".", ".", ".", "?", ":")
 
-    Byte-level BPE has tokens holding part of a UTF-8 sequence; drawn at random they decode to
-    U+FFFD, so completions are drawn from the clean pool only and decode back without loss.
+
+class _Vocab:
+    """The tokenizer, its end-of-turn and EOS ids, and a speaker of natural text.
+
+    Completions are ids of real text (sentences of common words), each the tokenizer's own
+    encoding of that text, so they decode and re-encode as a model's output does; ``split``
+    makes the few that a sampled model writes in a split the tokenizer would not choose.
     """
 
-    def __init__(self, path: str, end_of_turn: str) -> None:
+    def __init__(self, path: str, end_of_turn: str, eos_token: str | None) -> None:
         file = Path(path)
         if file.is_dir():
             file = file / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(file))
-        eot = self.tokenizer.token_to_id(end_of_turn)
-        if eot is None:
-            raise ValueError(f"end-of-turn token {end_of_turn!r} is not in {file}")
-        self.eot: int = eot
-        special = {i for i, tok in self.tokenizer.get_added_tokens_decoder().items() if tok.special}
-        ids = [i for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True)) if i not in special]
-        texts = self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=True)
-        self.pool = [i for i, text in zip(ids, texts, strict=True) if text and _clean(text)]
-        if not self.pool:
-            raise ValueError(f"{file}: no token decodes to clean text")
+        self.eot: int = self._special(end_of_turn, file)
+        self.eos: int = self._special(eos_token, file) if eos_token is not None else self.eot
+        costs = self.tokenizer.encode_batch([" " + w for w in _LEXICON], add_special_tokens=False)
+        self._cost = {w: len(e.ids) for w, e in zip(_LEXICON, costs, strict=True)}
+        self._long = [w for w in _LEXICON if len(w) >= 4]
+
+    def _special(self, token: str, file: Path) -> int:
+        tid = self.tokenizer.token_to_id(token)
+        if tid is None:
+            raise ValueError(f"token {token!r} is not in {file}")
+        return tid
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -157,9 +230,55 @@ class _Vocab:
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text).ids)
 
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-def _clean(text: str) -> bool:
-    return "\ufffd" not in text and all(c.isprintable() or c in "\n\t" for c in text)
+    def _prose(self, rng: random.Random, n: int, lead_space: bool) -> tuple[str, Any]:
+        """Sentences of at least ``n`` tokens, and their encoding."""
+        text = ""
+        while True:
+            budget = 0
+            while budget < n + 8:
+                words = rng.choices(_LEXICON, k=rng.randint(4, 16))
+                budget += sum(self._cost[w] for w in words) + 1
+                sentence = " " + words[0].capitalize() + "".join(
+                    (", " if rng.random() < 0.08 else " ") + w for w in words[1:]) + rng.choice(_SENTENCE_ENDS)
+                if text and rng.random() < 0.15:
+                    sentence = "\n\n" + sentence[1:]
+                text += sentence
+            encoding = self.tokenizer.encode(text if lead_space else text[1:], add_special_tokens=False)
+            if len(encoding.ids) >= n:
+                return (text if lead_space else text[1:]), encoding
+
+    def natural(self, rng: random.Random, n: int, lead_space: bool = False) -> list[int]:
+        """``n`` ids of natural text, the tokenizer's own encoding of it (ends on a whole word)."""
+        if n <= 0:
+            return []
+        ids: list[int] = []
+        for _ in range(8):
+            _, encoding = self._prose(rng, n, lead_space)
+            ids, words = encoding.ids, encoding.word_ids
+            cut = n  # back off to a word boundary, then top up with short words
+            while 0 < cut < len(ids) and words[cut] is not None and words[cut] == words[cut - 1]:
+                cut -= 1
+            text = self.tokenizer.decode(ids[:cut], skip_special_tokens=False)
+            text += "".join(rng.choice(_FILLERS) for _ in range(n - cut))
+            if not lead_space:
+                text = text.lstrip(" ")
+            out = self._encode(text)
+            if len(out) == n:
+                return out
+        return ids[:n]
+
+    def split(self, rng: random.Random) -> list[int] | None:
+        """A word written in two pieces the tokenizer would merge differently (not its own encoding)."""
+        for _ in range(32):
+            word = " " + rng.choice(self._long)
+            cut = rng.randint(2, len(word) - 1)
+            ids = self._encode(word[:cut]) + self._encode(word[cut:])
+            if ids != self._encode(word):
+                return ids
+        return None
 
 
 class _Batcher:
@@ -245,13 +364,9 @@ class _Reply(NamedTuple):
 class _HttpError(Exception):
     """A request the emulator refuses, with the reply to send."""
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.reply = _Reply(status, _error_body(status, message))
-
-
-class _SamplingParams(msgspec.Struct):
-    max_new_tokens: int = 128  # SGLang's default
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(body.decode(errors="replace"))
+        self.reply = _Reply(status, body)
 
 
 class _GenerateRequest(msgspec.Struct):
@@ -259,8 +374,16 @@ class _GenerateRequest(msgspec.Struct):
 
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: _SamplingParams = msgspec.field(default_factory=_SamplingParams)
+    sampling_params: dict[str, Any] = {}
     rid: str | None = None
+
+
+class _SamplingParams(msgspec.Struct):
+    """The sampling keys the emulator acts on (the others are accepted and ignored)."""
+
+    max_new_tokens: int = 128  # SGLang's default
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
 
 
 class _ChatRequest(msgspec.Struct):
@@ -277,26 +400,60 @@ _decode_chat = msgspec.json.Decoder(_ChatRequest).decode
 _decode_any = msgspec.json.decode
 
 _REASONS = {
-    200: "OK", 400: "Bad Request", 401: "Unauthorized", 402: "Payment Required", 404: "Not Found",
-    405: "Method Not Allowed", 413: "Content Too Large", 429: "Too Many Requests",
+    200: "OK", 400: "Bad Request", 401: "Unauthorized", 402: "Payment Required", 403: "Forbidden",
+    404: "Not Found", 405: "Method Not Allowed", 413: "Content Too Large", 429: "Too Many Requests",
     431: "Request Header Fields Too Large", 500: "Internal Server Error", 501: "Not Implemented",
     503: "Service Unavailable",
 }
-_FAULT_ERRORS = {  # kind: (HTTP status, error code, message, metadata)
+_CLOUD_FAULTS = {  # kind: (HTTP status, error code, message, metadata)
     "429": (429, 429, "Rate limit exceeded (emulated)", None),
     "500": (500, 500, "Internal server error (emulated)", None),
     "503": (503, 503, "No available provider (emulated)", None),
     "402": (402, 402, "Insufficient credits", {"limit_source": "openrouter_credits"}),
-    "200_error": (200, 502, "Provider returned error (emulated)", None),
+    "402_inflight": (402, 402, "In-flight budget exhausted (emulated)",
+                     {"limit_source": "openrouter_in_flight_budget", "reason": "in_flight_budget_exhausted"}),
+    "403": (403, 403, "Request blocked by guardrail (emulated)", None),
+    "moderation": (403, 403, "emulated/model requires moderation on its input",
+                   {"reasons": ["emulated"], "flagged_input": "...", "provider_name": "emulated",
+                    "model_slug": "emulated/model"}),
+    "200_error": (200, 502, "Provider returned error (emulated)", {"provider_name": "emulated"}),
 }
+_ERROR_TYPES = {"403": "permission_denied"}  # the canonical top-level error_type OpenRouter adds
 
 
-def _error_body(code: int, message: str, metadata: dict[str, Any] | None = None) -> bytes:
-    """OpenRouter's error shape: ``{"error": {"code", "message", "metadata"?}}``."""
+def _error_body(code: int, message: str, metadata: dict[str, Any] | None = None,
+                error_type: str | None = None) -> bytes:
+    """OpenRouter's error shape: ``{"error": {"code", "message", "metadata"?}, "error_type"?}``."""
     error: dict[str, Any] = {"code": code, "message": message}
     if metadata is not None:
         error["metadata"] = metadata
-    return _encode({"error": error})
+    body: dict[str, Any] = {"error": error}
+    if error_type is not None:
+        body["error_type"] = error_type
+    return _encode(body)
+
+
+def _sglang_error(message: str) -> bytes:
+    """SGLang's answer to a ValueError in a request (HTTP 400): ``{"error": {"message"}}``."""
+    return _encode({"error": {"message": message}})
+
+
+def _sglang_exception(status: int, message: str, kind: str | None = None) -> bytes:
+    """SGLang's ``ErrorResponse``: an HTTPException (an abort with a 5xx status) or a body
+    that fails validation (``kind`` "Bad Request")."""
+    return _encode({"object": "error", "message": message, "type": kind or str(status), "param": None,
+                    "code": status})
+
+
+def _fastapi_detail(status: int) -> bytes:
+    """FastAPI's own answer for an unknown path or method: ``{"detail"}``."""
+    return _encode({"detail": _REASONS[status]})
+
+
+def _bearer_is(headers: dict[str, str], key: str) -> bool:
+    """Whether the request carries ``Authorization: Bearer <key>`` (compared in constant time)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def _json(obj: Any) -> _Reply:
@@ -323,7 +480,7 @@ class _App:
     """The emulator on one event loop: HTTP server, batch slots and scheduler, faults, stats."""
 
     def __init__(self, config: EmulatorConfig) -> None:
-        self._vocab = _Vocab(config.tokenizer, config.end_of_turn)
+        self._vocab = _Vocab(config.tokenizer, config.end_of_turn, config.eos_token)
         self._chance = random.Random(f"chance:{config.seed}")  # faults and prefill jitter
         self._apply(config)
         self._routes: dict[str, tuple[str, _Handler]] = {
@@ -331,8 +488,10 @@ class _App:
             "/v1/chat/completions": ("POST", self._chat),
             "/health": ("GET", self._health),
             "/health_generate": ("GET", self._health),
-            "/get_model_info": ("GET", self._model_info),
-            "/get_server_info": ("GET", self._server_info),
+            "/model_info": ("GET", self._model_info),
+            "/get_model_info": ("GET", self._deprecated("/get_model_info", self._model_info)),
+            "/server_info": ("GET", self._server_info),
+            "/get_server_info": ("GET", self._deprecated("/get_server_info", self._server_info)),
             "/v1/models": ("GET", self._models),
             "/emulator/stats": ("GET", self._stats_route),
             "/emulator/reset_stats": ("POST", self._reset_route),
@@ -356,8 +515,12 @@ class _App:
         self.config = config
         self._length = _length_sampler(config.length)
         self._reasoning_length = _length_sampler(config.reasoning_length)
-        rates = [(kind, getattr(config, f"rate_{kind}")) for kind in FAULT_KINDS]
-        self._fault_table = [(kind, rate) for kind, rate in rates if rate > 0]
+        self._fault_tables = {
+            path: [(kind, getattr(config, f"rate_{kind}")) for kind in FAULT_KINDS
+                   if getattr(config, f"rate_{kind}") > 0
+                   and (path in FAULT_PATHS[kind] or (kind == "429" and config.proxy and path == _SGLANG))]
+            for path in config.fault_endpoints
+        }
 
     def update(self, fields: dict[str, Any]) -> EmulatorConfig:
         """Validate and apply a subset of config fields (raises ValueError when invalid)."""
@@ -365,8 +528,9 @@ class _App:
             config = msgspec.convert({**msgspec.structs.asdict(self.config), **fields}, EmulatorConfig)
         except msgspec.ValidationError as exc:
             raise ValueError(str(exc)) from None
-        if (config.tokenizer, config.end_of_turn) != (self.config.tokenizer, self.config.end_of_turn):
-            self._vocab = _Vocab(config.tokenizer, config.end_of_turn)
+        vocab = (config.tokenizer, config.end_of_turn, config.eos_token)
+        if vocab != (self.config.tokenizer, self.config.end_of_turn, self.config.eos_token):
+            self._vocab = _Vocab(*vocab)
         if self._batcher is not None:
             self._batcher.sync()  # bank progress made at the old rate
         self._apply(config)
@@ -399,6 +563,7 @@ class _App:
             "faults": dict(self._faults),
             "unauthorized": self._counts["unauthorized"],
             "disconnected": self._counts["disconnected"],
+            "deprecated": self._counts["deprecated"],  # calls to a path SGLang logs as deprecated
         }
 
     # --- server lifecycle --------------------------------------------------------------
@@ -480,9 +645,14 @@ class _App:
         route = self._routes.get(path)
         self._by_endpoint[path if route else "other"] += 1
         if route is None:
-            return _Reply(404, _error_body(404, f"no route {path}"))
+            return _Reply(404, _fastapi_detail(404))
         if method != route[0]:
-            return _Reply(405, _error_body(405, f"{path} takes {route[0]}"))
+            return _Reply(405, _fastapi_detail(405))
+        key = self.config.sglang_api_key
+        if key is not None and path in _SGLANG_PATHS and not _bearer_is(headers, key):
+            # SGLang's --api-key (srt/utils/auth.py): only /health*, /ready and /metrics are open.
+            self._counts["unauthorized"] += 1
+            return _Reply(401, _encode({"error": "Unauthorized"}))
         generating = path in GENERATION_PATHS
         if generating:
             self._inflight[task] = reader
@@ -490,8 +660,12 @@ class _App:
             self._max_open = max(self._max_open, self._open)
         try:
             return await route[1](headers, body, t0)
+        except _HttpError as exc:
+            return exc.reply
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            return _Reply(400, _error_body(400, str(exc)))
+            if path == _CHAT:
+                return _Reply(400, _error_body(400, str(exc)))
+            return _Reply(400, _sglang_exception(400, str(exc), "Bad Request"))
         except Exception as exc:  # an emulator bug: answer, and leave the traceback in the log
             log.exception("emulator: %s %s failed", method, path)
             return _Reply(500, _error_body(500, f"emulator error: {exc!r}"))
@@ -502,44 +676,73 @@ class _App:
 
     # --- generation ----------------------------------------------------------------------
 
-    def _draw(self, key: bytes, cap: int | None, reasoning: bool) -> tuple[list[int], list[int], bool]:
+    def _draw(self, key: bytes, cap: int | None, reasoning: bool,
+              stops: bool = True) -> tuple[list[int], list[int], bool]:
         """The deterministic completion of a prompt: reasoning ids, answer ids, whether it stopped.
 
-        All lengths are drawn before any id, so a lower cap yields a prefix of the same ids.
-        The answer ends with the end-of-turn id when it stopped; a capped one does not.
+        All lengths are drawn before any id, so a lower cap yields a prefix of the same ids. The
+        answer ends with the end-of-turn id when it stopped; a capped one does not. When the
+        end-of-turn id is not a stop token (``stops`` False), the model writes on past it to the cap.
         """
         digest = hashlib.blake2b(b"%d\0" % self.config.seed + key, digest_size=8).digest()
         rng = random.Random(int.from_bytes(digest))
         n_answer = self._length(rng)
         thinks = reasoning and rng.random() < self.config.reasoning_rate
         n_reasoning = self._reasoning_length(rng) if thinks else 0
+        splits = rng.random() < self.config.split_rate
         room = n_reasoning + n_answer if cap is None else max(cap, 0)
-        pool = self._vocab.pool
-        reasoning_ids = rng.choices(pool, k=min(n_reasoning, room))
+        vocab = self._vocab
+        reasoning_ids = vocab.natural(rng, min(n_reasoning, room))
         room -= len(reasoning_ids)
-        answer = rng.choices(pool, k=min(n_answer - 1, room))
-        stopped = n_answer <= room
-        if stopped:
-            answer.append(self._vocab.eot)
-        return reasoning_ids, answer, stopped
+        answer = self._answer(rng, n_answer - 1, splits) + [vocab.eot]
+        if not stops:
+            answer += vocab.natural(rng, room - len(answer))
+        stopped = stops and n_answer <= room
+        return reasoning_ids, answer[:room], stopped
+
+    def _answer(self, rng: random.Random, n: int, splits: bool) -> list[int]:
+        """``n`` ids of natural text; with ``splits``, one word in it is split unnaturally."""
+        piece = self._vocab.split(rng) if splits and n >= 4 else None
+        if piece is None or len(piece) > n - 2:
+            return self._vocab.natural(rng, n)
+        head = rng.randint(1, n - len(piece) - 1)
+        return (self._vocab.natural(rng, head) + piece
+                + self._vocab.natural(rng, n - head - len(piece), lead_space=True))
 
     def _fault(self, path: str) -> str | None:
         """Draw this request's fault, if any (not tied to the prompt: faults come by chance)."""
-        if not self._fault_table or path not in self.config.fault_endpoints:
+        table = self._fault_tables.get(path)
+        if not table:
             return None
         u = self._chance.random()
         edge = 0.0
-        for kind, rate in self._fault_table:
+        for kind, rate in table:
             edge += rate
             if u < edge:
                 self._faults[kind] += 1
                 return kind
         return None
 
-    def _fault_reply(self, kind: str) -> _Reply:
-        status, code, message, metadata = _FAULT_ERRORS[kind]
-        headers = (("Retry-After", f"{self.config.retry_after_s:g}"),) if status in (429, 503) else ()
-        return _Reply(status, _error_body(code, message, metadata), headers)
+    def _retry_after(self) -> tuple[tuple[str, str], ...]:
+        return (("Retry-After", f"{self.config.retry_after_s:g}"),)
+
+    def _cloud_fault(self, kind: str) -> _Reply:
+        """OpenRouter's answer for a fault: its status, error body and headers."""
+        status, code, message, metadata = _CLOUD_FAULTS[kind]
+        if kind == "200_error":  # an in-body error says when to try again in its metadata
+            metadata = {**(metadata or {}), "retry_after_seconds": self.config.retry_after_s}
+        retry = self._retry_after() if status in (429, 503) or kind == "402_inflight" else ()
+        return _Reply(status, _error_body(code, message, metadata, _ERROR_TYPES.get(kind)), retry)
+
+    def _sglang_fault(self, kind: str) -> _Reply:
+        """SGLang's answer for a fault, or its proxy's (429, and Retry-After, only with ``proxy``)."""
+        proxy = self.config.proxy
+        if kind == "429":
+            return _Reply(429, _encode({"error": "Too Many Requests (emulated proxy)"}), self._retry_after())
+        if kind == "503":  # an abort that carries a status code (scheduler shutting down, queue full)
+            body = _sglang_exception(503, "Abort request with status 503 (emulated)")
+            return _Reply(503, body, self._retry_after() if proxy else ())
+        return _Reply(500, b"Internal Server Error")  # an unhandled exception, answered by Starlette
 
     def _rate(self, n_decoding: int) -> float:
         """Tokens per wall second for each of ``n_decoding`` requests."""
@@ -596,9 +799,35 @@ class _App:
         self._counts["prompt_tokens"] += prompt_tokens
         self._counts["tokens_generated"] += completion_tokens
 
+    def _check_context(self, prompt_tokens: int, max_new: int | None, chat: bool) -> None:
+        """Input plus requested output beyond the context length is refused (HTTP 400)."""
+        limit = self.config.context_length
+        if chat:
+            if prompt_tokens + (max_new or 0) > limit:
+                raise _HttpError(400, _error_body(400, (
+                    f"This endpoint's maximum context length is {limit} tokens. However, you requested about "
+                    f"{prompt_tokens + (max_new or 0)} tokens ({prompt_tokens} of text input, {max_new or 0} "
+                    "in the output). Please reduce the length of either one.")))
+            return
+        # SGLang's TokenizerManager._validate_one_request, in its words.
+        if prompt_tokens >= limit:
+            raise _HttpError(400, _sglang_error(
+                f"The input ({prompt_tokens} tokens) is longer than the model's context length ({limit} tokens)."))
+        if max_new is not None and prompt_tokens + max_new > limit:
+            raise _HttpError(400, _sglang_error(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{limit} tokens. You requested a total of {prompt_tokens + max_new} tokens: {prompt_tokens} tokens "
+                f"from the input messages and {max_new} tokens for the completion. Please reduce the number of "
+                "tokens in the input messages or the completion to fit within the limit."))
+
     async def _generate(self, headers: dict[str, str], body: bytes, t0: float) -> _Reply:
-        """SGLang ``/generate``: exact output ids, the end-of-turn id last when it stopped."""
+        """SGLang ``/generate``: exact output ids, the matched stop id last when it stopped."""
         req = _decode_generate(body)
+        unknown = [k for k in req.sampling_params if k not in SGLANG_SAMPLING_KEYS]
+        if unknown:  # SGLang's contract check (serde's wording), before anything else
+            listed = ", ".join(f"`{k}`" for k in SGLANG_SAMPLING_KEYS)
+            raise _HttpError(400, _encode({"error": f"unknown field `{unknown[0]}`, expected one of {listed}"}))
+        params = msgspec.convert(req.sampling_params, _SamplingParams)
         if req.input_ids is not None:
             key = b"i" + _encode(req.input_ids)
             prompt_tokens = len(req.input_ids)
@@ -606,24 +835,30 @@ class _App:
             key = b"t" + req.text.encode()
             prompt_tokens = self._vocab.count(req.text)
         else:
-            raise ValueError("either text or input_ids must be given")
+            raise _HttpError(400, _sglang_error("Either text, input_ids or input_embeds should be provided."))
+        max_new = params.max_new_tokens
+        self._check_context(prompt_tokens, max_new, chat=False)
         rid = req.rid or uuid.uuid4().hex
-        fault = self._fault("/generate")
-        if fault == "abort":
+        fault = self._fault(_SGLANG)
+        if fault == "abort":  # an abort without a status code: HTTP 200, finish_reason abort
             return _json({
                 "text": "", "output_ids": [],
                 "meta_info": {
-                    "id": rid, "finish_reason": {"type": "abort", "message": "Abort request (emulated)"},
+                    "id": rid, "finish_reason": {"type": "abort", "message": "Abort request (emulated)",
+                                                 "status_code": None, "err_type": None},
                     "prompt_tokens": prompt_tokens, "completion_tokens": 0, "cached_tokens": 0,
                     "e2e_latency": time.monotonic() - t0,
                 },
             })
-        if fault in _IMMEDIATE_FAULTS:
-            return self._fault_reply(fault)
+        if fault in ("429", "500", "503"):
+            return self._sglang_fault(fault)
         if fault == "hang":
             await asyncio.sleep(self.config.hang_s)
-        max_new = req.sampling_params.max_new_tokens
-        _, ids, stopped = self._draw(key, max_new, reasoning=False)
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids.add(self._vocab.eos)
+        # The model ends its turn with end_of_turn; only a stop token ends the generation there.
+        _, ids, stopped = self._draw(key, max_new, reasoning=False, stops=self._vocab.eot in stop_ids)
         await self._occupy(len(ids))
         self._account(prompt_tokens, len(ids))
         if stopped:
@@ -632,7 +867,7 @@ class _App:
             finish = {"type": "length", "length": max_new}
         payload = {
             "text": self._vocab.decode(ids[:-1] if stopped else ids),
-            "output_ids": ids,
+            "output_ids": ids,  # sglang 0.5.23 keeps the matched stop id here; only text is trimmed
             "meta_info": {
                 "id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens,
                 "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": time.monotonic() - t0,
@@ -646,24 +881,29 @@ class _App:
         if not auth.startswith("Bearer ") or not auth[7:].strip():
             self._counts["unauthorized"] += 1
             return _Reply(401, _error_body(401, "No auth credentials found"))
-        if self.config.api_key is not None and auth[7:].strip() != self.config.api_key:
+        if self.config.api_key is not None and not _bearer_is(headers, self.config.api_key):
             self._counts["unauthorized"] += 1
             return _Reply(401, _error_body(401, "User not found."))
         req = _decode_chat(body)
         if not req.messages:
             raise ValueError("messages must not be empty")
         prompt_tokens = self._vocab.count(_chatml(req.messages))
+        cap = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+        limit = self.config.max_output_tokens
+        if limit is not None and cap is not None and cap > limit:
+            message = f"max_tokens ({cap}) exceeds the maximum output of {limit} tokens for this model"
+            return _Reply(400, _error_body(400, message, error_type="max_tokens_exceeded"))
+        self._check_context(prompt_tokens, cap, chat=True)
         model = req.model or self.config.model
         created = int(time.time())
         gen_id = f"gen-{created}-{next(self._ids)}"
-        fault = self._fault("/v1/chat/completions")
+        fault = self._fault(_CHAT)
         if fault == "abort":  # OpenRouter reports a mid-generation failure as finish_reason "error"
             return _json(self._completion(gen_id, created, model, "", None, "error", prompt_tokens, 0, 0))
-        if fault in _IMMEDIATE_FAULTS:
-            return self._fault_reply(fault)
+        if fault in _CLOUD_FAULTS:
+            return self._cloud_fault(fault)
         if fault == "hang":
             await asyncio.sleep(self.config.hang_s)
-        cap = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
         reasoning_ids, answer, stopped = self._draw(b"m" + _encode_sorted(req.messages), cap, reasoning=True)
         n = len(reasoning_ids) + len(answer)
         await self._occupy(n)
@@ -700,15 +940,32 @@ class _App:
     # --- the other routes ----------------------------------------------------------------
 
     async def _health(self, headers: dict[str, str], body: bytes, t0: float) -> _Reply:
+        """SGLang's /health and /health_generate: 503 while warming up, else a one-token generation."""
+        if self.config.loading:
+            return _Reply(503)
+        if self.config.health_s:
+            await asyncio.sleep(self.config.health_s)
         return _Reply(200)
+
+    def _deprecated(self, path: str, handler: _Handler) -> _Handler:
+        """An old path that still answers, as SGLang's does, with a warning in the log."""
+
+        async def route(headers: dict[str, str], body: bytes, t0: float) -> _Reply:
+            self._counts["deprecated"] += 1
+            log.warning("Endpoint '%s' is deprecated and will be removed in a future version. "
+                        "Please use '%s' instead.", path, _DEPRECATED[path])
+            return await handler(headers, body, t0)
+
+        return route
 
     async def _model_info(self, headers: dict[str, str], body: bytes, t0: float) -> _Reply:
         cfg = self.config
-        return _json({"model_path": cfg.model, "tokenizer_path": cfg.tokenizer, "is_generation": True})
+        return _json({"model_path": cfg.model, "served_model_name": cfg.model, "tokenizer_path": cfg.tokenizer,
+                      "is_generation": True})
 
     async def _server_info(self, headers: dict[str, str], body: bytes, t0: float) -> _Reply:
         cfg = self.config
-        return _json({
+        return _json({"context_length": cfg.context_length, 
             "version": "draftfleet-emulator", "model_path": cfg.model, "tokenizer_path": cfg.tokenizer,
             "max_running_requests": cfg.max_running, "skip_tokenizer_init": False,
             "emulator": {"single_stream_tps": cfg.single_stream_tps, "ceiling_tps": cfg.ceiling_tps,
@@ -741,14 +998,14 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str], bool]:
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise _HttpError(400, "malformed request line")
+        raise _HttpError(400, _encode({"detail": "malformed request line"}))
     method, target, version = parts
     headers = {}
     for line in lines[1:]:
         if line:
             name, sep, value = line.partition(":")
             if not sep:
-                raise _HttpError(400, "malformed header line")
+                raise _HttpError(400, _encode({"detail": "malformed header line"}))
             headers[name.strip().lower()] = value.strip()
     connection = headers.get("connection", "").lower()
     keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
@@ -757,13 +1014,13 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str], bool]:
 
 def _content_length(headers: dict[str, str]) -> int:
     if "transfer-encoding" in headers:
-        raise _HttpError(501, "chunked request bodies are not supported; send Content-Length")
+        raise _HttpError(501, _encode({"detail": "chunked request bodies are not supported; send Content-Length"}))
     try:
         length = int(headers.get("content-length", "0"))
     except ValueError:
-        raise _HttpError(400, "bad Content-Length") from None
+        raise _HttpError(400, _encode({"detail": "bad Content-Length"})) from None
     if not 0 <= length <= _MAX_BODY:
-        raise _HttpError(413, "request body too large")
+        raise _HttpError(413, _encode({"detail": "request body too large"}))
     return length
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from draftfleet.emulator import FAULT_KINDS, Emulator, EmulatorConfig
+from draftfleet.emulator import FAULT_KINDS, FAULT_PATHS, Emulator, EmulatorConfig
 from draftfleet.samples import build_tokenizer
 
 KEY = "sk-emulator-test"
@@ -96,22 +96,30 @@ def test_length_cap_and_distribution(client: httpx.Client, emulator: Emulator) -
 
 
 def test_bad_requests(client: httpx.Client, emulator: Emulator) -> None:
-    assert client.post("/generate", json={"sampling_params": {}}).status_code == 400
-    assert client.post("/generate", content=b"{not json").status_code == 400
+    r = client.post("/generate", json={"sampling_params": {}})
+    assert r.status_code == 400 and "input_ids" in r.json()["error"]["message"]
+    r = client.post("/generate", content=b"{not json")
+    assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["code"] == 400
     assert client.post("/generate", json={"input_ids": [[1, 2], [3]]}).status_code == 400
-    assert client.get("/generate").status_code == 405
-    assert client.get("/nowhere").status_code == 404
+    assert client.get("/generate").json() == {"detail": "Method Not Allowed"}
+    r = client.get("/nowhere")
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
     with pytest.raises(ValueError):
         emulator.update(length="gaussian:3")
     with pytest.raises(ValueError):
         emulator.update(rate_429=1.5)
 
 
-def test_info_routes(client: httpx.Client) -> None:
+def test_info_routes(client: httpx.Client, emulator: Emulator) -> None:
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
+    assert client.get("/model_info").json()["model_path"] == "test/model"
+    assert client.get("/server_info").json()["max_running_requests"] == 256
+    assert emulator.stats()["deprecated"] == 0
+    # the old paths still answer, as SGLang's do, and are logged as deprecated
     assert client.get("/get_model_info").json()["model_path"] == "test/model"
-    assert client.get("/get_server_info").json()["max_running_requests"] == 256
+    assert client.get("/get_server_info").json()["context_length"] == 32768
+    assert emulator.stats()["deprecated"] == 2
     assert client.get("/v1/models").json()["data"][0]["id"] == "test/model"
 
 
@@ -156,29 +164,76 @@ def test_chat_requires_the_key(client: httpx.Client, emulator: Emulator) -> None
     assert emulator.stats()["unauthorized"] == 2
 
 
-@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
-@pytest.mark.parametrize("kind", ["429", "500", "503", "402", "200_error", "abort", "cut"])
-def test_fault_kinds(client: httpx.Client, emulator: Emulator, kind: str, path: str) -> None:
+_SGLANG_REPLIES = {  # fault kind on /generate: (status, body)
+    "500": (500, None),  # Starlette's plain-text answer to an unhandled exception
+    "503": (503, {"object": "error", "message": "Abort request with status 503 (emulated)", "type": "503",
+                  "param": None, "code": 503}),
+}
+
+
+@pytest.mark.parametrize("kind", ["500", "503", "abort", "cut"])
+def test_generate_fault_kinds_as_sglang_sends_them(client: httpx.Client, emulator: Emulator, kind: str) -> None:
     emulator.update(**{f"rate_{kind}": 1.0}, retry_after_s=7)
-    body = CHAT if path.startswith("/v1") else {"text": "fault"}
     if kind == "cut":
         with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
-            client.post(path, json=body, headers=AUTH)
+            client.post("/generate", json={"text": "fault"})
     else:
-        r = client.post(path, json=body, headers=AUTH)
-        assert r.status_code == (200 if kind in ("200_error", "abort") else int(kind))
-        if kind == "abort" and path == "/generate":
-            assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
-        elif kind == "abort":
-            assert r.json()["choices"][0]["finish_reason"] == "error"
+        r = client.post("/generate", json={"text": "fault"})
+        if kind == "abort":  # an abort without a status code comes as HTTP 200
+            assert r.status_code == 200
+            finish = r.json()["meta_info"]["finish_reason"]
+            assert finish["type"] == "abort" and finish["status_code"] is None
+        else:
+            status, body = _SGLANG_REPLIES[kind]
+            assert r.status_code == status
+            assert (r.json() if body else r.text) == (body or "Internal Server Error")
+        assert "Retry-After" not in r.headers  # SGLang never sends one
+    assert emulator.stats()["faults"][kind] == 1
+
+
+def test_sglang_sends_no_429_unless_a_proxy_does(client: httpx.Client, emulator: Emulator) -> None:
+    emulator.update(rate_429=1.0, retry_after_s=7)
+    assert client.post("/generate", json={"text": "a"}).status_code == 200
+    assert client.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 429
+    emulator.update(proxy=True, rate_429=0.0, rate_503=1.0)
+    r = client.post("/generate", json={"text": "a"})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "7"
+    emulator.update(rate_503=0.0, rate_429=1.0)
+    r = client.post("/generate", json={"text": "a"})
+    assert r.status_code == 429 and r.headers["Retry-After"] == "7"
+    assert FAULT_PATHS["402"] == {"/v1/chat/completions"}
+
+
+@pytest.mark.parametrize("kind", [k for k in FAULT_KINDS if "/v1/chat/completions" in FAULT_PATHS[k] and k != "hang"])
+def test_chat_fault_kinds(client: httpx.Client, emulator: Emulator, kind: str) -> None:
+    emulator.update(**{f"rate_{kind}": 1.0}, retry_after_s=7)
+    if kind == "cut":
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+            client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    else:
+        r = client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+        if kind == "abort":
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "error"
         else:
             error = r.json()["error"]
-            assert error["code"] == (502 if kind == "200_error" else int(kind))
-        if kind == "429":
-            assert r.headers["Retry-After"] == "7"
-        if kind == "402":
-            assert error == {"code": 402, "message": "Insufficient credits",
-                             "metadata": {"limit_source": "openrouter_credits"}}
+            status = 200 if kind == "200_error" else 403 if kind == "moderation" else int(kind[:3])
+            assert r.status_code == status
+            assert error["code"] == (502 if kind == "200_error" else status)
+            meta = error.get("metadata") or {}
+            if kind in ("429", "503", "402_inflight"):
+                assert r.headers["Retry-After"] == "7"
+            else:
+                assert "Retry-After" not in r.headers
+            if kind == "402":
+                assert meta == {"limit_source": "openrouter_credits"}
+            if kind == "402_inflight":
+                assert meta == {"limit_source": "openrouter_in_flight_budget", "reason": "in_flight_budget_exhausted"}
+            if kind == "403":  # a guardrail or permission block: no moderation metadata
+                assert "reasons" not in meta and r.json()["error_type"] == "permission_denied"
+            if kind == "moderation":
+                assert meta["reasons"] and "flagged_input" in meta
+            if kind == "200_error":
+                assert meta["retry_after_seconds"] == 7
     faults = emulator.stats()["faults"]
     assert faults[kind] == 1 and sum(faults.values()) == 1
 
@@ -204,9 +259,9 @@ def test_short_hang_then_answers(client: httpx.Client, emulator: Emulator) -> No
 
 def test_config_route_switches_faults(client: httpx.Client) -> None:
     assert client.post("/emulator/config", json={"rate_402": 1.0}).json()["api_key"] == "<set>"
-    assert client.post("/generate", json={"text": "a"}).status_code == 402
+    assert client.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 402
     assert client.post("/emulator/config", json={"rate_402": 0.0}).status_code == 200
-    assert client.post("/generate", json={"text": "a"}).status_code == 200
+    assert client.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 200
     only_chat = {"fault_endpoints": ["/v1/chat/completions"], "rate_500": 1}
     assert client.post("/emulator/config", json=only_chat).status_code == 200
     assert client.post("/generate", json={"text": "a"}).status_code == 200
@@ -292,3 +347,99 @@ def test_serve_runs_until_sigterm(tokenizer_dir: Path) -> None:
 
 def test_all_fault_kinds_are_counted(emulator: Emulator) -> None:
     assert set(emulator.stats()["faults"]) == set(FAULT_KINDS)
+
+
+# -- as strict as the real servers --------------------------------------------------------------
+
+
+def test_output_ids_are_natural_text_and_round_trip_like_a_models(client: httpx.Client, emulator: Emulator,
+                                                                   tokenizer: Tokenizer) -> None:
+    """Ids of real text: decode -> encode gives them back, except in the few completions where
+    the model split a word its own way (the seed saw 0.5-6.5% of samples differ)."""
+
+    def mismatch_share(n: int) -> float:
+        bad = 0
+        for i in range(n):
+            ids = generate(client, input_ids=[7, i])["output_ids"][:-1]
+            bad += tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False).ids != ids
+        return bad / n
+
+    emulator.update(split_rate=0.0)
+    out = generate(client, input_ids=[7, 1])
+    words = out["text"].split()
+    assert len(words) > 20 and sum(w.strip(".,?:").isalpha() for w in words) > 0.9 * len(words)
+    assert mismatch_share(200) == 0.0
+    emulator.update(split_rate=0.03)
+    assert 0.005 <= mismatch_share(600) <= 0.065
+
+
+def test_generation_stops_only_on_requested_ids_and_eos(client: httpx.Client, emulator: Emulator) -> None:
+    # A model whose EOS is not its end-of-turn token writes past <|im_end|> unless asked to stop there.
+    emulator.update(eos_token="<|endoftext|>", length="fixed:20")
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 60}}
+    r = client.post("/generate", json=body).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    assert len(r["output_ids"]) == 60 and r["output_ids"][19] == 2  # <|im_end|> inside, then more text
+    body["sampling_params"]["stop_token_ids"] = [2]
+    r = client.post("/generate", json=body).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert len(r["output_ids"]) == 20 and r["output_ids"][-1] == 2  # output_ids keep the matched stop id
+    emulator.update(eos_token=None)  # the end-of-turn token is the EOS: it always stops
+    r = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 60}}).json()
+    assert r["meta_info"]["finish_reason"]["type"] == "stop" and len(r["output_ids"]) == 20
+
+
+def test_unknown_sampling_keys_are_refused(client: httpx.Client) -> None:
+    r = client.post("/generate", json={"input_ids": [1], "sampling_params": {"max_tokens": 5}})
+    assert r.status_code == 400
+    assert r.json()["error"].startswith("unknown field `max_tokens`, expected one of `max_new_tokens`")
+    ok = {"max_new_tokens": 5, "temperature": 0.7, "top_p": 1.0, "stop_token_ids": [2], "ignore_eos": False}
+    assert client.post("/generate", json={"input_ids": [1], "sampling_params": ok}).status_code == 200
+    # unknown top-level keys are ignored, as SGLang's contract says
+    assert client.post("/generate", json={"input_ids": [1], "whatever": 1}).status_code == 200
+
+
+def test_context_length_is_enforced(client: httpx.Client, emulator: Emulator) -> None:
+    emulator.update(context_length=100)
+    r = client.post("/generate", json={"input_ids": list(range(60)), "sampling_params": {"max_new_tokens": 41}})
+    assert r.status_code == 400
+    assert "maximum context length of 100 tokens" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"input_ids": list(range(100)), "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and "longer than the model's context length" in r.json()["error"]["message"]
+    ok = {"input_ids": list(range(60)), "sampling_params": {"max_new_tokens": 40}}
+    assert client.post("/generate", json=ok).status_code == 200
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 99}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+def test_chat_max_tokens_over_the_models_output_cap(client: httpx.Client, emulator: Emulator) -> None:
+    emulator.update(max_output_tokens=64)
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 65}, headers=AUTH)
+    assert r.status_code == 400
+    assert r.json()["error_type"] == "max_tokens_exceeded" and "max_tokens" in r.json()["error"]["message"]
+    assert client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 64}, headers=AUTH).status_code == 200
+
+
+def test_sglang_api_key_guards_everything_but_health(client: httpx.Client, emulator: Emulator) -> None:
+    emulator.update(sglang_api_key="sglang-secret")
+    for path in ("/generate", "/model_info", "/get_model_info", "/server_info"):
+        method = client.post if path == "/generate" else client.get
+        kwargs = {"json": {"input_ids": [1]}} if path == "/generate" else {}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = method(path, headers=headers, **kwargs)
+            assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+        assert method(path, headers={"Authorization": "Bearer sglang-secret"}, **kwargs).status_code == 200
+    assert client.get("/health").status_code == 200 and client.get("/health_generate").status_code == 200
+    assert emulator.stats()["unauthorized"] == 8
+
+
+def test_health_while_loading_and_slow_probes(client: httpx.Client, emulator: Emulator) -> None:
+    emulator.update(loading=True)
+    assert client.get("/health").status_code == 503 and client.get("/health_generate").status_code == 503
+    assert generate(client, input_ids=[1])["output_ids"]  # warm-up requests are served meanwhile
+    emulator.update(loading=False, health_s=0.3)
+    t0 = time.monotonic()
+    assert client.get("/health").status_code == 200
+    assert time.monotonic() - t0 >= 0.3
+    with pytest.raises(httpx.ReadTimeout):
+        client.get("/health", timeout=0.1)
