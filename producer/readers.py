@@ -124,8 +124,12 @@ def _jsonl_row(line: bytes, ds: DatasetConfig, where: str, lineno: int) -> Promp
     return parse_line(line, ds, where, lineno)[1]
 
 
-def parse_line(line: bytes, ds: DatasetConfig, where: str, lineno: int) -> tuple[dict[str, Any] | None, PromptRow | Rejection]:
-    """Decode one JSONL line into its row and its prompt (``import`` reads output fields from the row)."""
+def parse_line(line: bytes, ds: DatasetConfig, where: str, lineno: int,
+               path: str | None = None) -> tuple[dict[str, Any] | None, PromptRow | Rejection]:
+    """Decode one JSONL line into its row and its prompt (``import`` reads output fields from the row).
+
+    ``path``: the file the line came from when it is not the dataset's (``import``)."""
+    path = path or ds.path
     try:
         row = msgspec.json.decode(line)
     except msgspec.DecodeError as exc:
@@ -133,19 +137,19 @@ def parse_line(line: bytes, ds: DatasetConfig, where: str, lineno: int) -> tuple
             line.decode("utf-8")
         except UnicodeDecodeError as uexc:
             detail = f"not valid UTF-8 at byte {uexc.start} ({uexc.reason}); the line is kept as base64"
-            return None, _rejection(ds.path, where, lineno, "bad_utf8", detail, raw=line)
+            return None, _rejection(path, where, lineno, "bad_utf8", detail, raw=line)
         # msgspec gives no position when the input ends early: the position is then the end.
         position = "" if "byte" in str(exc) else f" (byte {len(line)})"
-        return None, _rejection(ds.path, where, lineno, "bad_json", f"invalid JSON: {exc}{position}", raw=line)
+        return None, _rejection(path, where, lineno, "bad_json", f"invalid JSON: {exc}{position}", raw=line)
     except RecursionError:
-        return None, _rejection(ds.path, where, lineno, "bad_json", "invalid JSON: nested too deeply to decode", raw=line)
+        return None, _rejection(path, where, lineno, "bad_json", "invalid JSON: nested too deeply to decode", raw=line)
     if not isinstance(row, dict):
         detail = f"expected a JSON object per line, got {_type(row)}"
-        return None, _rejection(ds.path, where, lineno, "not_object", detail, raw=line)
+        return None, _rejection(path, where, lineno, "not_object", detail, raw=line)
     try:
         return row, _prompt_row(row, ds.fields, where)
     except _Reject as r:
-        return row, _rejection(ds.path, where, lineno, r.kind, r.detail, field=r.field, raw=line)
+        return row, _rejection(path, where, lineno, r.kind, r.detail, field=r.field, raw=line)
 
 
 def rejection(path: str, where: str, line: int | None, kind: str, detail: str, *,
