@@ -15,7 +15,7 @@ from rich.table import Table
 
 from draftfleet.schemas.config import ConfigError, FleetConfig, load_config
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error stays one line, also in a pipe
 out = Console()
 
 
@@ -439,19 +439,32 @@ def cmd_import(args) -> int:
 def cmd_export(args) -> int:
     import msgspec
 
-    from draftfleet.export import export_dataset
+    from draftfleet.export import ExportError, export_dataset
     from draftfleet.store import Store
 
     cfg, root = _config_or_store(args)
+    store = Store(root)
+    known = sorted({d.name for d in cfg.datasets} | set(store.datasets())) if cfg else store.datasets()
+    names = args.dataset or known
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        err.print(f"[red]error[/]: unknown dataset(s) {', '.join(unknown)}: {root} has "
+                  + (", ".join(known) or "no datasets"), highlight=False)
+        return 1
     tok = _optional_tokenizer(args, cfg) if ("tokens" in args.format or args.exclude_invalid) else None
-    manifest = export_dataset(Store(root), args.dataset, args.out, args.format, exclude_truncated=args.exclude_truncated,
-                              exclude_invalid=args.exclude_invalid, tokenizer=tok)
+    try:
+        manifests = [export_dataset(store, name, args.out, args.format, exclude_truncated=args.exclude_truncated,
+                                    exclude_invalid=args.exclude_invalid, tokenizer=tok) for name in names]
+    except ExportError as exc:
+        err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        return 1
     if args.json:
-        print(msgspec.json.encode(manifest).decode())
-    else:
-        out.print(f"exported {manifest.records:,} records of {args.dataset} to {args.out}: "
-                  + ", ".join(manifest.files) + f" (excluded: {manifest.excluded_truncated} truncated, "
-                  f"{manifest.excluded_invalid} invalid)", highlight=False)
+        print(msgspec.json.encode(manifests).decode())
+        return 0
+    for m in manifests:
+        out.print(f"exported {m.records:,} records of {m.dataset} to {args.out}: "
+                  + ", ".join(m.files) + f" (excluded: {m.excluded_truncated} truncated, "
+                  f"{m.excluded_invalid} invalid)", highlight=False)
     return 0
 
 
@@ -585,13 +598,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("export", help="write training files (SpecForge sharegpt, raw_responses, token rows)")
     common(sp)
-    sp.add_argument("--dataset", "-d", required=True)
-    sp.add_argument("--format", "-f", action="append", choices=["sharegpt", "raw", "tokens"], required=True)
-    sp.add_argument("--out", required=True)
-    sp.add_argument("--exclude-truncated", action="store_true")
-    sp.add_argument("--exclude-invalid", action="store_true")
-    sp.add_argument("--tokenizer")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--dataset", "-d", action="append",
+                    help="export this dataset (repeatable; default every dataset of the config or store)")
+    sp.add_argument("--format", "-f", action="append", choices=["sharegpt", "raw", "tokens"], required=True,
+                    help="sharegpt: SpecForge conversations; raw: raw_responses with ids; tokens: input_ids + loss_mask "
+                    "rows (repeatable)")
+    sp.add_argument("--out", required=True,
+                    help="folder for <dataset>.<format>.jsonl and <dataset>.manifest.json (other datasets' files stay)")
+    sp.add_argument("--exclude-truncated", action="store_true", help="leave out responses cut at max_tokens")
+    sp.add_argument("--exclude-invalid", action="store_true",
+                    help="leave out records with no ids, ids outside the vocabulary, or a stop without end-of-turn")
+    sp.add_argument("--tokenizer", help="tokenizer folder (default [fleet].tokenizer); needed by -f tokens")
+    sp.add_argument("--json", action="store_true", help="print the manifests as JSON")
     sp.set_defaults(func=cmd_export)
     return p
 

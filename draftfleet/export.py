@@ -10,6 +10,8 @@ Formats:
 - ``tokens``: ``{"id", "input_ids", "loss_mask", "metadata"}`` (loss 0 on the prompt, 1 on the
   completion), as vLLM speculators writes them; needs the tokenizer for the prompt ids.
 Order: by source file, then line or row number, then key, so two exports of one store are equal.
+Every file is named after its dataset (``<dataset>.<format>.jsonl``, ``<dataset>.manifest.json``),
+so several datasets exported into one folder overwrite nothing of each other.
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
 
 FORMATS = ("sharegpt", "raw", "tokens")
+FILE_NAMES = {"sharegpt": "{}.sharegpt.jsonl", "raw": "{}.raw_responses.jsonl", "tokens": "{}.tokens.jsonl"}
+
+
+class ExportError(ValueError):
+    """An export that cannot be made as asked (unknown dataset or format, missing tokenizer)."""
+
+
+def manifest_name(dataset: str) -> str:
+    return f"{dataset}.manifest.json"
 _encoder = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder(ResponseRecord).decode
 _SOURCE = re.compile(r"^(.*):(?:row)?(\d+)$")
@@ -96,9 +107,9 @@ def export_dataset(store: Store, dataset: str, out_dir: str | Path, formats: lis
                    tokenizer: TargetTokenizer | None = None) -> ExportManifest:
     unknown = set(formats) - set(FORMATS)
     if unknown:
-        raise ValueError(f"unknown format(s) {sorted(unknown)}: choose from {', '.join(FORMATS)}")
+        raise ExportError(f"unknown format(s) {sorted(unknown)}: choose from {', '.join(FORMATS)}")
     if "tokens" in formats and tokenizer is None:
-        raise ValueError("the tokens format needs the target tokenizer ([fleet].tokenizer or --tokenizer)")
+        raise ExportError("the tokens format needs the target tokenizer ([fleet].tokenizer or --tokenizer)")
     records, unreadable = [], 0
     for path in store.record_paths(dataset):
         try:
@@ -116,7 +127,7 @@ def export_dataset(store: Store, dataset: str, out_dir: str | Path, formats: lis
             kept.append(rec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names = {"sharegpt": f"{dataset}.sharegpt.jsonl", "raw": "raw_responses.jsonl", "tokens": f"{dataset}.tokens.jsonl"}
+    names = {fmt: pattern.format(dataset) for fmt, pattern in FILE_NAMES.items()}
     files = {}
     for fmt in formats:
         row = {"sharegpt": _sharegpt, "raw": _raw, "tokens": lambda r: _tokens(r, tokenizer)}[fmt]
@@ -141,5 +152,5 @@ def export_dataset(store: Store, dataset: str, out_dir: str | Path, formats: lis
         excluded_invalid=invalid, unreadable=unreadable, tokens_by_source=by_tokens,
         responses_by_source=by_count, files=files,
     )
-    (out / "manifest.json").write_bytes(msgspec.json.format(_encoder.encode(manifest)) + b"\n")
+    (out / manifest_name(dataset)).write_bytes(msgspec.json.format(_encoder.encode(manifest)) + b"\n")
     return manifest

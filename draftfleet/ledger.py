@@ -135,6 +135,12 @@ class Ledger:
         )
         return bool(added)
 
+    def charge(self, backend: str, cost_usd: float) -> None:
+        """Add a generation no stored record carries (a twin stored the key first) to the backend's
+        spend: it was paid for, and the spend cap must see it."""
+        if cost_usd:
+            self.r.hincrby(rk.spend(backend), "cost_micro_usd", micro_usd(cost_usd))
+
     def event(self, dataset: str, name: str, n: int = 1) -> None:
         """Count a retry, failure or skip by reason (``retry:http_429``, ``failed:timeout``...)."""
         self.r.hincrby(rk.events(dataset), name, n)

@@ -38,8 +38,7 @@ def claims_by_kind(r: redis.Redis, datasets: list[str]) -> dict[str, int]:
         for holder in r.mget(keys) if keys else []:
             if holder is None:
                 continue
-            host = holder.decode().rsplit(":", 1)[0]
-            kind = kind_of.get(host, "unknown")
+            kind = kind_of.get(rk.claim_holder(holder), "unknown")
             out[kind] = out.get(kind, 0) + 1
     return out
 

@@ -87,6 +87,11 @@ class Reconciler:
             pipe.hgetall(rk.totals(dataset, b))
         counted_raw, ds_totals, *per_backend = pipe.execute()
         counted = {m.decode() for m in counted_raw}
+        # Keys counted after the listing were stored before they were counted: read them now, so
+        # the comparison runs over keys seen by both reads (else they look counted but not stored).
+        late = {k for k in counted - keys if self.store.has(dataset, k)}
+        records.update(self._read(dataset, late, unreadable))
+        keys = keys | late  # (a backend first counted after the listing is compared next pass)
 
         want: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
         for key in counted & records.keys():

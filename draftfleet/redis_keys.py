@@ -24,8 +24,17 @@ def dataset_of_queue(name: str) -> str | None:
 
 
 def claim(dataset: str, key: str) -> str:
-    """Held (SET NX EX) by the worker generating ``key`` now; stops a redelivered twin running too."""
+    """Held (SET NX EX) by the worker generating ``key`` now; stops a redelivered twin running too.
+
+    Its value is the holding task's token, ``<worker hostname>:<pid>:<nonce>``: one per task, so
+    two copies of a key in one process never release or refresh each other's claim."""
     return f"{PREFIX}claim:{dataset}:{key}"
+
+
+def claim_holder(token: str | bytes) -> str:
+    """The hostname of the worker whose task holds a claim (its token's first part)."""
+    text = token.decode() if isinstance(token, bytes) else token
+    return text.rsplit(":", 2)[0]
 
 
 def counted_set(dataset: str) -> str:

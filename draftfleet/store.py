@@ -5,6 +5,7 @@ Layout under the root::
     <dataset>/manifest.json            settings the dataset's keys were made with
     <dataset>/<key[:2]>/<key>.json     one ResponseRecord per key, write-once
     _failures/<dataset>/<key>.json     tasks whose retries ran out (re-queueable)
+    _unreadable/<dataset>/<key>.<ns>.json   record files that could not be read, set aside
     _quarantine/<dataset>.jsonl        input lines that were rejected, verbatim
 
     .draftfleet-store                  marker: this folder is a fleet store (see ``Store.prepare``)
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +36,12 @@ MARKER = ".draftfleet-store"
 # What a store made before the marker existed can hold: it is recognised, and marked.
 _FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "lost+found"}
 _manifest_decoder = msgspec.json.Decoder(DatasetManifest)
+_quarantine_decoder = msgspec.json.Decoder(QuarantineEntry)
+
+
+def _quarantine_id(e: QuarantineEntry) -> tuple:
+    """A rejection's identity: which line of which file, why, and its bytes (not when)."""
+    return e.file, e.line, e.kind, e.field, e.raw, e.raw_b64
 
 
 class StoreError(Exception):
@@ -94,7 +102,8 @@ class Store:
         return self.root / dataset / key[:2] / f"{key}.json"
 
     def has(self, dataset: str, key: str) -> bool:
-        return self.path(dataset, key).exists()
+        """Something is at the key's path (a dangling symlink too: ``link`` could not replace it)."""
+        return os.path.lexists(self.path(dataset, key))
 
     def prepare(self) -> None:
         """Make sure the root is the fleet's own before anything is written under it.
@@ -123,9 +132,11 @@ class Store:
         (root / MARKER).write_text('{"draftfleet_store": 1}\n')
 
     def put(self, record: ResponseRecord) -> bool:
-        """Write ``record`` once. True if this call stored it, False if the key already had one."""
+        """Write ``record`` once. True if this call stored it, False if the key already had one.
+
+        Storing a result clears the key's failure record: the prompt is finished."""
         final = self.path(record.dataset, record.key)
-        if final.exists():
+        if os.path.lexists(final):
             return False
         try:
             tmp = _write_temp(final.parent, _encoder.encode(record))
@@ -138,7 +149,23 @@ class Store:
             _fsync_dir(final.parent)
         except OSError as exc:
             raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
+        self.clear_failure(record.dataset, record.key)
         return True
+
+    def set_aside(self, dataset: str, key: str) -> Path | None:
+        """Move an unreadable record (empty, corrupt, a dangling link) to ``_unreadable/`` so the
+        key can be generated again; the file is kept for a person to look at. Call it holding the
+        key's claim: a twin must not be writing the key meanwhile. None: nothing was there."""
+        src = self.path(dataset, key)
+        dst = self.root / "_unreadable" / dataset / f"{key}.{time.time_ns()}.json"
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"cannot move {src} aside: {_why(exc)}") from exc
+        return dst
 
     def get(self, dataset: str, key: str) -> ResponseRecord:
         return _record_decoder.decode(self.path(dataset, key).read_bytes())
@@ -213,10 +240,26 @@ class Store:
         return self.root / "_quarantine" / f"{check_name(dataset)}.jsonl"
 
     def quarantine(self, dataset: str, entries: list[QuarantineEntry]) -> None:
-        """Replace the dataset's quarantine file with this run's rejects (a re-run never doubles it)."""
-        p = self.quarantine_path(dataset)
+        """Add rejects to the dataset's quarantine file, every enqueue's and import's; a line
+        rejected again for the same reason (a re-run) is kept once."""
         if not entries:
-            p.unlink(missing_ok=True)
             return
-        data = b"".join(_encoder.encode(e) + b"\n" for e in entries)
-        os.replace(_write_temp(p.parent, data), p)
+        p = self.quarantine_path(dataset)
+        try:
+            old = p.read_bytes()
+        except FileNotFoundError:
+            old = b""
+        seen = set()
+        for line in old.splitlines():
+            try:
+                seen.add(_quarantine_id(_quarantine_decoder.decode(line)))
+            except msgspec.DecodeError:
+                continue
+        new = []
+        for e in entries:
+            if _quarantine_id(e) not in seen:
+                seen.add(_quarantine_id(e))
+                new.append(_encoder.encode(e) + b"\n")
+        if new:
+            sep = b"\n" if old and not old.endswith(b"\n") else b""
+            os.replace(_write_temp(p.parent, old + sep + b"".join(new)), p)

@@ -146,7 +146,7 @@ def test_inventory_import_resume_and_export_round_trip(tmp_path, redis_server, t
     assert split["local-sglang"] == (24, expected_tokens, "exact")
     assert split["sglang"][:2] == tuple(files["sglang"])
     assert inv["remaining_tokens"] == 100000 - inv["completion_tokens"]
-    assert inv["cost_to_finish_usd"]["cloudy"] > 0
+    assert inv["prompts_left"] == 0 and inv["cost_to_finish_usd"] == {"cloudy": 0.0}  # nothing left to pay for
     v = inv["validation"]
     assert (v["schema_errors"], v["ids_out_of_vocab"], v["stop_without_eot"], v["duplicate_prompts"]) == (0, 0, 0, 0)
     assert v["roundtrip_checked"] == 40 and 0 <= v["roundtrip_mismatch_share"] <= 1
@@ -157,7 +157,7 @@ def test_inventory_import_resume_and_export_round_trip(tmp_path, redis_server, t
                   "--out", str(out), "--json", env=env)
     assert res.returncode == 0, res.stderr
     manifest = json.loads(res.stdout)
-    assert manifest["records"] == 40 and set(manifest["files"]) == {"b3.sharegpt.jsonl", "raw_responses.jsonl"}
+    assert manifest[0]["records"] == 40 and set(manifest[0]["files"]) == {"b3.sharegpt.jsonl", "b3.raw_responses.jsonl"}
     first = (out / "b3.sharegpt.jsonl").read_bytes()
     assert run_cli("export", "--config", str(config), "--dataset", "b3", "-f", "sharegpt", "--out",
                    str(tmp_path / "again"), env=env).returncode == 0
@@ -167,7 +167,7 @@ def test_inventory_import_resume_and_export_round_trip(tmp_path, redis_server, t
     fresh = tmp_path / "fresh"
     config2 = write_config(fresh, tokenizer=tokenizer_dir,
                            datasets=[{"name": "b3", "path": str(data), "max_tokens": 100, "budget_tokens": 100000}])
-    res = run_cli("import", str(out / "raw_responses.jsonl"), "--config", str(config2), "--dataset", "b3", "--json",
+    res = run_cli("import", str(out / "b3.raw_responses.jsonl"), "--config", str(config2), "--dataset", "b3", "--json",
                   env=env)
     assert json.loads(res.stdout)["imported"] == 40
     inv2 = run_inventory(load_config(config2).fleet.store)[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import msgspec
 import redis
 from celery import Celery
 from celery.exceptions import Reject
+from kombu.exceptions import OperationalError
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned
@@ -76,7 +78,7 @@ class Runtime:
         self._refresh = r.register_script(_REFRESH)
         self.recovery = Recovery(r, grace_s=CLAIM_TTL_S)
         self._lock = threading.Lock()
-        self._claims: set[str] = set()
+        self._claims: set[tuple[str, str]] = set()  # (claim key, the holding task's token)
         self.inflight: dict[str, int] = {}
         self.paused: str | None = None
         self._stop = threading.Event()
@@ -91,22 +93,24 @@ class Runtime:
         return sorted(self.consuming) or [IDLE_QUEUE]
 
     # -- claims and heartbeat --------------------------------------------------------------
-    def acquire(self, task: PromptTask) -> bool:
+    def acquire(self, task: PromptTask) -> str | None:
+        """Claim the task's key; returns the claim's token (one per task), None if a twin holds it."""
         key = rk.claim(task.dataset, task.key)
-        if not self.r.set(key, self.token, nx=True, ex=CLAIM_TTL_S):
-            return False
+        token = f"{self.token}:{secrets.token_hex(6)}"
+        if not self.r.set(key, token, nx=True, ex=CLAIM_TTL_S):
+            return None
         with self._lock:
-            self._claims.add(key)
+            self._claims.add((key, token))
             self.inflight[task.dataset] = self.inflight.get(task.dataset, 0) + 1
-        return True
+        return token
 
-    def release(self, task: PromptTask) -> None:
+    def release(self, task: PromptTask, token: str) -> None:
         key = rk.claim(task.dataset, task.key)
         with self._lock:
-            self._claims.discard(key)
+            self._claims.discard((key, token))
             self.inflight[task.dataset] -= 1
         try:
-            self._release(keys=[key], args=[self.token])
+            self._release(keys=[key], args=[token])
         except redis.RedisError:
             pass  # the claim expires on its own
 
@@ -121,8 +125,8 @@ class Runtime:
             inflight = {d: n for d, n in self.inflight.items() if n}
         try:
             pipe = self.r.pipeline(transaction=False)
-            for key in claims:  # re-created if Redis lost it, never taken from another holder
-                self._refresh(keys=[key], args=[self.token, CLAIM_TTL_S], client=pipe)
+            for key, token in claims:  # re-created if Redis lost it, never taken from another holder
+                self._refresh(keys=[key], args=[token, CLAIM_TTL_S], client=pipe)
             report = {
                 "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
                 "endpoint": self.backend.endpoint,
@@ -247,12 +251,23 @@ def _dead_letter(rt: Runtime, payload: object, reason: str, queue: str) -> str:
     return "dead_letter"
 
 
-def _count_existing(rt: Runtime, task: PromptTask) -> str:
-    """The key is already stored: make sure it is counted (once) and acknowledge."""
+def _count_existing(rt: Runtime, task: PromptTask, set_aside: bool) -> str | None:
+    """The key has a file: count its record (once) and return ``duplicate``.
+
+    A file that cannot be read (empty, corrupt, a dangling link) is no result: None, and with
+    ``set_aside`` (only while holding the key's claim) the file is moved aside so the key is
+    generated again.
+    """
     try:
-        rt.ledger.count(rt.store.get(task.dataset, task.key))
-    except (OSError, msgspec.DecodeError) as exc:
-        log.warning("stored record %s/%s unreadable while counting: %s", task.dataset, task.key, exc)
+        record = rt.store.get(task.dataset, task.key)
+    except (FileNotFoundError, msgspec.DecodeError) as exc:
+        if set_aside:
+            moved = rt.store.set_aside(task.dataset, task.key)
+            log.warning("%s %s: the stored record cannot be read (%s); moved to %s, generating it again",
+                        task.dataset, task.source, exc, moved)
+            rt.ledger.event(task.dataset, "set_aside:unreadable")
+        return None
+    rt.ledger.count(record)
     return "duplicate"
 
 
@@ -272,6 +287,8 @@ def _fail(rt: Runtime, task: PromptTask, reason: str, detail: str, attempts: int
         key=task.key, dataset=task.dataset, source=task.source, reason=detail[:1000], error_kind=reason,
         attempts=attempts, backend=rt.backend.name, worker=rt.hostname, failed_at=time.time(), task=task,
     ))
+    if rt.store.has(task.dataset, task.key):  # a twin stored it meanwhile: the prompt is done
+        rt.store.clear_failure(task.dataset, task.key)
     rt.ledger.event(task.dataset, f"failed:{reason}")
     log.error("%s %s failed after %d attempt(s): %s", task.dataset, task.source, attempts, detail[:300])
     return "failed"
@@ -369,16 +386,18 @@ def execute(task_self, payload: object) -> str:
         check_key(task.key)
     except (msgspec.ValidationError, StoreError) as exc:
         return _dead_letter(rt, payload, f"not a valid task: {exc}", queue)
-    if rt.store.has(task.dataset, task.key):
-        return _count_existing(rt, task)
+    if rt.store.has(task.dataset, task.key) and (done := _count_existing(rt, task, set_aside=False)):
+        return done
     if task.dataset not in rt.allowed:
         # Drained or pivoted away from this kind: back to the queue, not started.
         raise Reject(f"{task.dataset} is not assigned to {rt.kind} workers", requeue=True)
-    if not rt.acquire(task):
+    token = rt.acquire(task)
+    if token is None:
         return _defer(task_self, task)
     try:
-        if rt.store.has(task.dataset, task.key):  # finished by a twin between our check and claim
-            return _count_existing(rt, task)
+        # finished by a twin between our check and claim (or unreadable: set aside, generated)
+        if rt.store.has(task.dataset, task.key) and (done := _count_existing(rt, task, set_aside=True)):
+            return done
         if not _admit(rt, task):
             return "skipped"
         reasons: list[str] = []
@@ -395,7 +414,9 @@ def execute(task_self, payload: object) -> str:
             attempts=attempts, retry_reasons=reasons, worker=rt.hostname, created_at=time.time(),
         )
         if not _store(rt, record):
-            return _count_existing(rt, task)
+            # A twin stored the key while we generated; ours was paid for all the same.
+            rt.ledger.charge(record.backend, record.cost_usd)
+            return _count_existing(rt, task, set_aside=False) or "duplicate"
         rt.ledger.count(record)
         if record.truncated:
             rt.ledger.event(task.dataset, "truncated")
@@ -404,7 +425,7 @@ def execute(task_self, payload: object) -> str:
         try:
             rt.ledger.release(task.dataset, task.key)
         finally:  # also when Redis is away: a claim left in our set would be refreshed forever
-            rt.release(task)
+            rt.release(task, token)
 
 
 def register(app: Celery) -> None:
@@ -424,10 +445,11 @@ def register(app: Celery) -> None:
                 return _dead_letter(rt, [list(args), kwargs], "not a valid task: expected one argument, the prompt",
                                     _queue(self))
             return execute(self, args[0])
-        except (redis.RedisError, OSError, StoreError) as exc:
-            # Redis or the store failed outside the retries. Celery would record a failure and
-            # acknowledge: the prompt goes back to its queue instead, after a pause so that a
-            # lasting fault does not spin.
+        except (redis.RedisError, OperationalError, OSError, StoreError) as exc:
+            # Redis (as a client, or as the broker a deferred copy is sent through) or the store
+            # failed outside the retries. Celery would record a failure and acknowledge: the
+            # prompt goes back to its queue instead, after a pause so that a lasting fault does
+            # not spin.
             log.error("%s: %s: %s; the task goes back to its queue in %.0fs", _queue(self), type(exc).__name__, exc,
                       INFRA_RETRY_S)
             time.sleep(INFRA_RETRY_S)
