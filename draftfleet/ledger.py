@@ -3,7 +3,7 @@
 Counting is idempotent: one Lua script adds the key to the dataset's counted set and bumps the
 totals only if it was not there, so a redelivered task, or a worker that stored a record and died
 before counting it (the next copy finds the record and counts it), never counts twice. The same
-script releases the key's budget reservation, so committed and reserved tokens move together.
+script settles the key's budget reservation, so committed and reserved tokens move together.
 
 Budget admission, in two phases. Before generating, a task reserves the dataset's expected tokens
 (the running mean). (1) Tasks are admitted freely while committed + reserved + half a response
@@ -14,8 +14,16 @@ tokens one stream makes in that time, up to max_tokens.
 (2) Past that, closing rounds: each waits until nothing is in flight, then admits up to half of
 the room left; rounds shrink until less than one response fits, and the dataset closes (its
 queue is purged, later tasks are skipped). Waiting rounds have no stragglers to guess about, so
-the total lands within about one response of the budget. Reservations whose claim expired (a
-dead worker) are dropped on the spot.
+the total lands within about one response of the budget.
+
+Redis work per admission does not grow with what is in flight. The reserved total is kept as
+aggregates updated when a reservation is taken, changes state or is settled: a reservation is
+``young`` (it holds its expected tokens), ``old`` (it holds twice what one stream made since its
+admission, summed over the group as count x now - sum of admission times) or ``capped`` (it holds
+max_tokens). Each reservation sits in a sorted set at the time of its next event: its move to the
+next state, or the moment its claim would lapse. An admission handles only the due entries (at
+most ``EXPIRE_BATCH``): a reservation whose claim is gone (its worker died) is dropped, a live
+one is rescheduled, so each reservation costs O(log n) a claim TTL, not a scan per admission.
 """
 
 from __future__ import annotations
@@ -29,9 +37,42 @@ from draftfleet.schemas.records import ResponseRecord
 
 RATE_BUCKET_S = 10
 RATE_KEEP_S = 900
+# Due reservations handled by one admission (the rest by the next ones), so none waits on a backlog.
+EXPIRE_BATCH = 64
+# When to look again at a reservation whose claim has no TTL (claims always have one in the fleet).
+RECHECK_MS = 30_000
 
-_COUNT_ONCE = """
-redis.call('HDEL', KEYS[5], ARGV[1])
+# settle(reservations, due, aggregates, key): drop a reservation and take its share out of the
+# aggregates (hash ``agg``: n, ey = Σ expected of young ones, no / so = count and Σ(admitted - t0)
+# of old ones, nc = count of capped ones, t0 = origin of the admission times, reset when empty).
+_SETTLE = """
+local function parse(v)
+  local e, s, st = string.match(v or '', '^(%d+):(%d+):(%a)$')
+  if not st then return nil end
+  return tonumber(e), tonumber(s), st
+end
+local function settle(res, due, agg, k)
+  redis.call('ZREM', due, k)
+  local v = redis.call('HGET', res, k)
+  if not v then return 0 end
+  redis.call('HDEL', res, k)
+  local e, s, st = parse(v)
+  if not st then return 1 end  -- taken before the aggregates existed: it has no share in them
+  if redis.call('HINCRBY', agg, 'n', -1) <= 0 then redis.call('DEL', agg) return 1 end
+  if st == 'y' then
+    redis.call('HINCRBY', agg, 'ey', -e)
+  elseif st == 'o' then
+    redis.call('HINCRBY', agg, 'no', -1)
+    redis.call('HINCRBY', agg, 'so', tonumber(redis.call('HGET', agg, 't0') or s) - s)
+  else
+    redis.call('HINCRBY', agg, 'nc', -1)
+  end
+  return 1
+end
+"""
+
+_COUNT_ONCE = _SETTLE + """
+settle(KEYS[5], KEYS[7], KEYS[8], ARGV[1])
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
 for _, h in ipairs({KEYS[2], KEYS[4]}) do
   redis.call('HINCRBY', h, 'responses', 1)
@@ -48,34 +89,78 @@ redis.call('EXPIRE', KEYS[6], ARGV[5])
 return 1
 """
 
-_ADMIT = """
+_RELEASE = _SETTLE + "return settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1])"
+
+# Drop a reservation only if its claim is gone (checked here, atomically with the drop).
+_DROP_DEAD = _SETTLE + """
+if redis.call('EXISTS', ARGV[2] .. ARGV[1]) == 1 then return 0 end
+return settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
+"""
+
+_ADMIT = _SETTLE + """
+local res, due, agg = KEYS[2], KEYS[5], KEYS[6]
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local committed = tonumber(redis.call('HGET', KEYS[1], 'completion_tokens') or '0')
-local responses = tonumber(redis.call('HGET', KEYS[1], 'responses') or '0')
-local sq = tonumber(redis.call('HGET', KEYS[1], 'completion_tokens_sq') or '0')
-local latency_ms = tonumber(redis.call('HGET', KEYS[1], 'latency_ms') or '0')
+local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms')
+local committed, responses = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+local sq, latency_ms = tonumber(f[3] or '0'), tonumber(f[4] or '0')
+local budget, expect, cap_tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
 local per_stream = 0
 if latency_ms > 0 then per_stream = committed / latency_ms end  -- tokens per ms of one stream
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local reserved, live = 0, 0
-local held = redis.call('HGETALL', KEYS[2])
-for i = 1, #held, 2 do
-  if redis.call('EXISTS', ARGV[4] .. held[i]) == 1 then
-    local e, since = string.match(held[i + 1], '(%d+):(%d+)')
+
+local function restate(k, e, s, from, to)
+  local t0 = tonumber(redis.call('HGET', agg, 't0') or s)
+  if from == 'y' then redis.call('HINCRBY', agg, 'ey', -e)
+  else redis.call('HINCRBY', agg, 'no', -1) redis.call('HINCRBY', agg, 'so', t0 - s) end
+  if to == 'o' then redis.call('HINCRBY', agg, 'no', 1) redis.call('HINCRBY', agg, 'so', s - t0)
+  else redis.call('HINCRBY', agg, 'nc', 1) end
+  redis.call('HSET', res, k, e .. ':' .. s .. ':' .. to)
+end
+-- next event of a reservation: its move to the next state, or when its claim would lapse
+local function schedule(k, e, s, st, claim_ttl)
+  local at = now + ((claim_ttl > 0) and claim_ttl or tonumber(ARGV[6]))
+  if per_stream > 0 then
+    if st == 'y' then at = math.min(at, s + math.ceil(e / (2 * per_stream)))
+    elseif st == 'o' then at = math.min(at, s + math.ceil(cap_tokens / (2 * per_stream))) end
+  end
+  redis.call('ZADD', due, math.max(at, now + 1), k)
+end
+
+-- only the due reservations: drop those whose claim lapsed (their worker died), move the rest on
+for _, k in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now, 'LIMIT', 0, tonumber(ARGV[7]))) do
+  local claim_ttl = redis.call('PTTL', ARGV[4] .. k)
+  local e, s, st = parse(redis.call('HGET', res, k))
+  if claim_ttl == -2 then
+    settle(res, due, agg, k)
+  elseif not st then
+    redis.call('ZREM', due, k)
+  else
     -- a response still running long after admission is a long one (lengths are heavy-tailed: the
     -- longer it has run, the longer it will run): reserve twice what it has likely made so far
-    local made = per_stream * (now - tonumber(since))
-    reserved = reserved + math.min(tonumber(ARGV[5]), math.max(tonumber(e), 2 * made))
-    live = live + 1
-  else
-    redis.call('HDEL', KEYS[2], held[i])  -- its worker died: the claim expired
+    if st == 'y' and per_stream > 0 and 2 * per_stream * (now - s) >= e then restate(k, e, s, 'y', 'o') st = 'o' end
+    if st == 'o' and per_stream > 0 and 2 * per_stream * (now - s) >= cap_tokens then
+      restate(k, e, s, 'o', 'c') st = 'c'
+    end
+    schedule(k, e, s, st, claim_ttl)
   end
 end
-local budget = tonumber(ARGV[2])
-local expect = tonumber(ARGV[3])
+
+local a = redis.call('HMGET', agg, 'n', 'ey', 'no', 'so', 'nc', 't0')
+local live = tonumber(a[1] or '0')
+local reserved = 0
+if live > 0 then
+  local n_old = tonumber(a[3] or '0')
+  local grown = 2 * per_stream * (n_old * (now - tonumber(a[6] or now)) - tonumber(a[4] or '0'))
+  reserved = tonumber(a[2] or '0') + math.min(n_old * cap_tokens, grown) + cap_tokens * tonumber(a[5] or '0')
+end
 local function take()
-  redis.call('HSET', KEYS[2], ARGV[1], expect .. ':' .. now)
+  settle(res, due, agg, ARGV[1])
+  redis.call('HSETNX', agg, 't0', now)
+  redis.call('HINCRBY', agg, 'n', 1)
+  redis.call('HINCRBY', agg, 'ey', expect)
+  redis.call('HSET', res, ARGV[1], expect .. ':' .. now .. ':y')
+  schedule(ARGV[1], expect, now, 'y', redis.call('PTTL', ARGV[4] .. ARGV[1]))
 end
 if redis.call('EXISTS', KEYS[4]) == 0 then
   local var = expect * expect
@@ -121,6 +206,8 @@ class Ledger:
         self.r = client
         self._count = client.register_script(_COUNT_ONCE)
         self._admit = client.register_script(_ADMIT)
+        self._release = client.register_script(_RELEASE)
+        self._drop_dead = client.register_script(_DROP_DEAD)
 
     # -- counting --------------------------------------------------------------------------
     def count(self, record: ResponseRecord, now: float | None = None) -> bool:
@@ -129,7 +216,7 @@ class Ledger:
         added = self._count(
             keys=[rk.counted_set(record.dataset), rk.totals(record.dataset, record.backend), rk.spend(record.backend),
                   rk.dataset_totals(record.dataset), rk.reservations(record.dataset),
-                  rk.rate(record.dataset, record.backend, bucket)],
+                  rk.rate(record.dataset, record.backend, bucket), *self._reservation_index(record.dataset)],
             args=[record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd), RATE_KEEP_S,
                   int(getattr(record, "latency_s", 0.0) * 1000)],
         )
@@ -160,12 +247,28 @@ class Ledger:
         """ADMITTED (reservation held), WAIT (no room unless what is in flight comes in short),
         REFUSED (this call closed the dataset) or CLOSED. Needs the task's claim to be held."""
         return int(self._admit(
-            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset)],
-            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens],
+            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
+                  *self._reservation_index(dataset)],
+            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH],
         ))
 
+    @staticmethod
+    def _reservation_index(dataset: str) -> list[str]:
+        return [rk.reservations_due(dataset), rk.reserved_sum(dataset)]
+
     def release(self, dataset: str, key: str) -> None:
-        self.r.hdel(rk.reservations(dataset), key)
+        """Settle the key's reservation (the task ends without a counted result)."""
+        self._release(keys=[rk.reservations(dataset), *self._reservation_index(dataset)], args=[key])
+
+    def drop_dead(self, dataset: str) -> int:
+        """Drop every reservation whose claim is gone (a full pass, for the reconciler); how many."""
+        keys = [k.decode() for k in self.r.hkeys(rk.reservations(dataset))]
+        pipe = self.r.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(rk.claim(dataset, k))
+        dead = [k for k, alive in zip(keys, pipe.execute()) if not alive]
+        index = [rk.reservations(dataset), *self._reservation_index(dataset)]
+        return sum(int(self._drop_dead(keys=index, args=[k, rk.claim(dataset, "")])) for k in dead)
 
     def closed_at(self, dataset: str) -> int | None:
         """The budget the dataset was closed at, or None when it is open."""

@@ -124,11 +124,7 @@ class Reconciler:
                 pipe.hincrby(rk.dataset_totals(dataset), f, d)
         pipe.execute()
 
-        stale = 0
-        for key in self.r.hkeys(rk.reservations(dataset)):
-            k = key.decode()
-            if not self.r.exists(rk.claim(dataset, k)):
-                stale += self.r.hdel(rk.reservations(dataset), k)
+        stale = self.ledger.drop_dead(dataset)
         return Drift(
             dataset=dataset, stored=len(keys), counted=len(counted), newly_counted=newly,
             corrections=corrections, counted_not_stored=len(counted - keys), stale_reservations=stale,

@@ -57,8 +57,18 @@ def dataset_totals(dataset: str) -> str:
 
 
 def reservations(dataset: str) -> str:
-    """Hash key -> expected tokens of every admitted task still in flight."""
+    """Hash key -> ``expected:admitted_ms:state`` of every admitted task still in flight."""
     return f"{PREFIX}reserved:{dataset}"
+
+
+def reservations_due(dataset: str) -> str:
+    """Sorted set of the reservations by the time of their next event (state change, claim check)."""
+    return f"{PREFIX}reserved_due:{dataset}"
+
+
+def reserved_sum(dataset: str) -> str:
+    """Hash of the reservations' aggregates, kept as they change, so admission never scans them."""
+    return f"{PREFIX}reserved_sum:{dataset}"
 
 
 def closed(dataset: str) -> str:

@@ -73,11 +73,65 @@ def test_admission_phases_close_the_budget_exactly(redis_server):
 def test_reservations_of_dead_workers_are_dropped(redis_server):
     r = redis_server.client()
     ledger = Ledger(r)
-    r.set(rk.claim("ds", "alive"), "w")
+    r.set(rk.claim("ds", "alive"), "w", ex=120)
     assert ledger.admit("ds", "alive", 10**6, 100, 1000) == ADMITTED
-    r.set(rk.claim("ds", "dead"), "w")
+    r.set(rk.claim("ds", "dead"), "w", px=300)
     assert ledger.admit("ds", "dead", 10**6, 100, 1000) == ADMITTED
-    r.delete(rk.claim("ds", "dead"))  # its claim expired: the worker is gone
-    r.set(rk.claim("ds", "next"), "w")
+    time.sleep(0.5)  # the dead worker's claim lapses: its reservation is due and dropped
+    r.set(rk.claim("ds", "next"), "w", ex=120)
     ledger.admit("ds", "next", 10**6, 100, 1000)
     assert set(r.hkeys(rk.reservations("ds"))) == {b"alive", b"next"}
+    assert _reserved(r) == {"n": 2, "ey": 200}
+    # the reconciler's full pass drops the rest once their claims are gone
+    r.delete(rk.claim("ds", "alive"), rk.claim("ds", "next"))
+    assert ledger.drop_dead("ds") == 2 and not r.exists(rk.reservations("ds"), rk.reserved_sum("ds"))
+
+
+def _reserved(r) -> dict[str, int]:
+    got = {k.decode(): int(v) for k, v in r.hgetall(rk.reserved_sum("ds")).items()}
+    got.pop("t0", None)
+    return {k: v for k, v in got.items() if v}
+
+
+def _commands(r) -> int:
+    return sum(v["calls"] for k, v in r.info("commandstats").items() if k != "cmdstat_info")
+
+
+def test_admission_work_does_not_grow_with_in_flight(redis_server):
+    """Redis commands per admit + settle are the same at 20 and at 4,000 reservations in flight."""
+    r = redis_server.client()
+    ledger = Ledger(r)
+    pipe = r.pipeline(transaction=False)
+    for i in range(4000):
+        pipe.set(rk.claim("ds", f"k{i}"), "w", ex=120)
+    pipe.execute()
+    ledger.release("ds", "none")  # loads the scripts: their first call costs a NOSCRIPT round
+    work = {}
+    for n in (20, 4000):
+        for i in range(n - r.hlen(rk.reservations("ds"))):
+            assert ledger.admit("ds", f"k{r.hlen(rk.reservations('ds'))}", 10**9, 100, 1000) == ADMITTED
+        before = _commands(r)
+        for i in range(10):
+            r.set(rk.claim("ds", f"t{i}"), "w", ex=120)
+            assert ledger.admit("ds", f"t{i}", 10**9, 100, 1000) == ADMITTED
+            ledger.release("ds", f"t{i}")
+        work[n] = (_commands(r) - before) / 10
+    assert work[4000] == work[20] and work[20] < 40, work
+
+
+def test_long_running_reservations_grow_then_settle(redis_server):
+    """A response running past its expected length reserves twice what one stream made, up to max_tokens."""
+    r = redis_server.client()
+    ledger = Ledger(r)
+    # 10 responses of 100 tokens at 1 token/ms of one stream, all alike (no spread: no margin)
+    r.hset(rk.dataset_totals("ds"), mapping={"responses": 10, "completion_tokens": 1000, "latency_ms": 1000,
+                                             "completion_tokens_sq": 10 * 100 * 100})
+    budget = 1000 + 100 + 50 + 200  # committed + one young reservation + half a response + 200 to spare
+    r.set(rk.claim("ds", "long"), "w", ex=120)
+    assert ledger.admit("ds", "long", budget, 100, 400) == ADMITTED
+    time.sleep(0.3)  # by now it has made ~300 tokens: it reserves 2 x 300, capped at max_tokens 400
+    r.set(rk.claim("ds", "next"), "w", ex=120)
+    assert ledger.admit("ds", "next", budget, 100, 400) == WAIT
+    assert _reserved(r) == {"n": 1, "nc": 1}
+    ledger.count(_rec("long", 100))
+    assert not r.exists(rk.reservations("ds"), rk.reservations_due("ds"), rk.reserved_sum("ds"))
