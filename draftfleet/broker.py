@@ -70,7 +70,7 @@ DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE", "SAVE", "BGSAVE", "REPLICAOF",
 _PRIVATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
 
 
-def check_private_dir(path: Path, *, group_writable_ok: bool = False) -> None:
+def check_private_dir(path: Path) -> None:
     """Refuse a folder another user could have planted or could change: a symlink, a folder owned by
     someone else, or one writable by group or others (for ``_redis``: anything but 0700)."""
     try:
@@ -82,7 +82,7 @@ def check_private_dir(path: Path, *, group_writable_ok: bool = False) -> None:
     if st.st_uid != os.geteuid():
         raise BrokerError(f"refusing {path}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); "
                           "another user could control the fleet's Redis")
-    loose = st.st_mode & (0o002 if group_writable_ok else 0o077 if path.name == STATE_DIR else 0o022)
+    loose = st.st_mode & (0o077 if path.name == STATE_DIR else 0o022)
     if loose:
         raise BrokerError(f"refusing {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users write or read it; "
                           f"chmod {'700' if path.name == STATE_DIR else 'go-w'} {path}")

@@ -4,18 +4,23 @@ A run over tens of thousands of rows must neither die on one bad line nor quietl
 prompt. ``read_prompts`` yields a ``PromptRow`` for each usable row and a ``Rejection`` for each
 unusable one, whose message names file, line and field; the rejected line is kept verbatim
 (``raw``, or ``raw_b64`` when it is not UTF-8) so that nothing the user gave is lost.
-JSONL is read in binary one line at a time and parquet one record batch at a time, so memory
-stays bounded by the longest line or one batch, not the file.
+JSONL is read in binary one line at a time, never more than the line limit at once (a longer
+line is hashed and counted as it streams past, and only its first bytes are kept), and parquet
+one record batch at a time, so memory stays bounded by the limit or one batch, not the file.
+Only regular files are read: a FIFO or ``/dev/zero`` would never end.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
+import hashlib
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 import pyarrow as pa
@@ -26,6 +31,11 @@ from draftfleet.schemas.records import Message, QuarantineEntry
 
 UTF8_BOM = b"\xef\xbb\xbf"
 PARQUET_BATCH_ROWS = 1024
+EXCERPT_BYTES = 4096
+"""What the quarantine keeps of a line over the limit (with the line's length and sha256)."""
+_STREAM_CHUNK = 1 << 20
+_FILE_TYPES = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+               stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
 
 # ShareGPT ``from`` values and the chat roles they stand for.
 SHAREGPT_ROLES = {
@@ -74,11 +84,10 @@ def count_rows(ds: DatasetConfig) -> int | None:
     """A cheap total for a progress bar: lines of a JSONL file (blank ones included) or a parquet
     file's row count from its footer; None when the file cannot be read."""
     try:
-        if ds.file_format == "parquet":
-            with pq.ParquetFile(ds.path) as pf:
-                return pf.metadata.num_rows
-        lines, last = 0, b"\n"
-        with open(ds.path, "rb") as f:
+        with open_regular(ds.path) as f:
+            if ds.file_format == "parquet":
+                return pq.ParquetFile(f).metadata.num_rows
+            lines, last = 0, b"\n"
             while chunk := f.read(1 << 20):
                 lines += chunk.count(b"\n")
                 last = chunk[-1:]
@@ -87,26 +96,73 @@ def count_rows(ds: DatasetConfig) -> int | None:
         return None
 
 
+def open_regular(path: str | Path) -> BinaryIO:
+    """Open a dataset file for reading, refusing anything but a regular file: a FIFO would block
+    the open itself (hence O_NONBLOCK) and ``/dev/zero`` would never end."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = _FILE_TYPES.get(stat.S_IFMT(mode), "not a regular file")
+            code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+            raise OSError(code, f"{what}, not a regular file" if what != "a directory" else "Is a directory", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes, int | None, str | None]]:
+    """Each line without its terminator as (bytes, None, None); a line over ``limit`` as (its first
+    EXCERPT_BYTES, its length, its sha256), streamed through the hash, never held whole."""
+    while line := f.readline(limit + 2):
+        if line.endswith(b"\n") or len(line) < limit + 2:
+            line = line[:-2] if line.endswith(b"\r\n") else line[:-1] if line.endswith(b"\n") else line
+            yield (line, None, None) if len(line) <= limit else (line[:EXCERPT_BYTES], len(line),
+                                                                 hashlib.sha256(line).hexdigest())
+            continue
+        excerpt, digest, size, held = line[:EXCERPT_BYTES], hashlib.sha256(), 0, line
+        while not held.endswith(b"\n") and (chunk := f.readline(_STREAM_CHUNK)):
+            excerpt += chunk[:EXCERPT_BYTES - len(excerpt)]
+            digest.update(held[:-2])  # the last two bytes wait: they may be the terminator
+            size += len(held) - 2
+            held = held[-2:] + chunk
+        held = held[:-2] if held.endswith(b"\r\n") else held[:-1] if held.endswith(b"\n") else held
+        digest.update(held)
+        size += len(held)
+        yield excerpt[:size], size, digest.hexdigest()
+
+
+def _utf8_prefix(excerpt: bytes) -> bytes:
+    """An excerpt without the character its cut split (so UTF-8 text stays text, not base64)."""
+    try:
+        excerpt.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.reason == "unexpected end of data":
+            return excerpt[:exc.start]
+    return excerpt
+
+
 def _read_jsonl(ds: DatasetConfig, max_line_bytes: int) -> Iterator[PromptRow | Rejection]:
     name = Path(ds.path).name
     try:
-        f = open(ds.path, "rb")
+        f = open_regular(ds.path)
     except OSError as exc:
         yield _rejection(ds.path, name, None, "unreadable_file", f"cannot read {ds.path}: {exc.strerror or exc}")
         return
     lineno, content_lines = 0, 0
     with f:
         try:
-            for lineno, line in enumerate(f, 1):
-                if line.endswith(b"\n"):
-                    line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
-                if lineno == 1 and line.startswith(UTF8_BOM):
-                    line = line[len(UTF8_BOM):]
+            if f.peek(len(UTF8_BOM))[:len(UTF8_BOM)] == UTF8_BOM:
+                f.read(len(UTF8_BOM))
+            for lineno, (line, size, digest) in enumerate(_lines(f, max_line_bytes), 1):
                 where = f"{name}:{lineno}"
-                if len(line) > max_line_bytes:
+                if size is not None:
                     content_lines += 1
-                    detail = f"line is {len(line)} bytes, over the limit of {max_line_bytes} (max_line_bytes)"
-                    yield _rejection(ds.path, where, lineno, "line_too_long", detail, raw=line)
+                    detail = (f"line is {size} bytes, over the limit of {max_line_bytes} (max_line_bytes); "
+                              f"kept: its first {len(line)} bytes, its length and sha256")
+                    yield _rejection(ds.path, where, lineno, "line_too_long", detail, raw=_utf8_prefix(line),
+                                     line_bytes=size, line_sha256=digest)
                     continue
                 if not line.strip():
                     continue
@@ -160,8 +216,8 @@ def rejection(path: str, where: str, line: int | None, kind: str, detail: str, *
 
 def _read_parquet(ds: DatasetConfig) -> Iterator[PromptRow | Rejection]:
     name = Path(ds.path).name
-    try:  # Python's own open gives the plain reason (missing, a directory, permission denied).
-        with open(ds.path, "rb") as f:
+    try:  # the plain reason (missing, a directory, a FIFO, permission denied)
+        with open_regular(ds.path) as f:
             size = os.fstat(f.fileno()).st_size
     except OSError as exc:
         yield _rejection(ds.path, name, None, "unreadable_file", f"cannot read {ds.path}: {exc.strerror or exc}")
@@ -348,6 +404,8 @@ def _rejection(
     *,
     field: str | None = None,
     raw: bytes | None = None,
+    line_bytes: int | None = None,
+    line_sha256: str | None = None,
 ) -> Rejection:
     """A quarantine entry; ``raw`` is kept as text when it is UTF-8, else as base64."""
     text = b64 = None
@@ -358,6 +416,7 @@ def _rejection(
             b64 = base64.b64encode(raw).decode("ascii")
     message = f"{where}: field '{field}': {detail}" if field else f"{where}: {detail}"
     entry = QuarantineEntry(
-        file=path, line=line, field=field, kind=kind, message=message, raw=text, raw_b64=b64, at=time.time()
+        file=path, line=line, field=field, kind=kind, message=message, raw=text, raw_b64=b64, at=time.time(),
+        line_bytes=line_bytes, line_sha256=line_sha256,
     )
     return Rejection(entry)

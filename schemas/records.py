@@ -140,7 +140,11 @@ class DatasetManifest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """One rejected input line, kept verbatim (``raw``, or ``raw_b64`` when it is not UTF-8)."""
+    """One rejected input line, kept verbatim (``raw``, or ``raw_b64`` when it is not UTF-8).
+
+    A line over the reader's limit is never held whole: ``raw``/``raw_b64`` then keep its first
+    bytes only, and ``line_bytes`` and ``line_sha256`` identify the whole line.
+    """
 
     file: str
     line: int | None
@@ -150,3 +154,5 @@ class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True):
     raw: str | None = None
     raw_b64: str | None = None
     at: float
+    line_bytes: int | None = None
+    line_sha256: str | None = None

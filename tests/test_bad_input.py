@@ -3,12 +3,14 @@
 test_readers.py holds the corpus at the reader (one case per kind of bad line or file); this
 runs all of it end to end in one enqueue of ten datasets, as an operator would meet it: every
 bad line and file is reported with its file and line, kept verbatim in the dataset's quarantine
-file and counted by kind in the summary, and every good line around them is queued.
+file (a line over the limit: its first bytes, length and sha256) and counted by kind in the
+summary, and every good line around them is queued.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections import Counter
 
@@ -16,6 +18,7 @@ import pyarrow as pa
 import pytest
 
 from draftfleet import redis_keys as rk
+from draftfleet.producer.readers import EXCERPT_BYTES
 from draftfleet.schemas.config import load_config
 from draftfleet.store import Store
 
@@ -56,7 +59,7 @@ def test_bad_input_corpus_through_enqueue(tmp_path, redis_server, tokenizer_dir)
         [{"role": "user", "content": "fine too"}]]})
     write_parquet(data / "zero.parquet", {"prompt": pa.array([], pa.string())})
 
-    files = {"lines": "lines.jsonl", "folder": "folder.jsonl", "missing": "missing.jsonl", "empty": "empty.jsonl",
+    files = {"lines": "lines.jsonl", "folder": "folder.jsonl", "empty": "empty.jsonl",
              "blank": "blank.jsonl", "wrongcols": "wrongcols.parquet", "cut": "cut.parquet", "fake": "fake.parquet",
              "rows": "rows.parquet", "zero": "zero.parquet"}
     config = write_config(tmp_path, tokenizer=tokenizer_dir,
@@ -80,10 +83,14 @@ def test_bad_input_corpus_through_enqueue(tmp_path, redis_server, tokenizer_dir)
         assert (q["line"], q["kind"], q["file"]) == (line, kind, str(data / "lines.jsonl")), case
         assert q["message"].startswith(f"lines.jsonl:{line}: "), case
         raw = base64.b64decode(q["raw_b64"]) if as_b64 else q["raw"].encode()
-        assert raw == bad, case
+        if kind == "line_too_long":  # never held whole: an excerpt, the length and the hash
+            assert bad.startswith(raw) and len(raw) <= EXCERPT_BYTES, case
+            assert (q["line_bytes"], q["line_sha256"]) == (len(bad), hashlib.sha256(bad).hexdigest()), case
+        else:
+            assert raw == bad, case
 
     # whole files: one rejection each, no line, the file named; nothing queued
-    for name, kind in [("folder", "unreadable_file"), ("missing", "unreadable_file"), ("empty", "empty_file"),
+    for name, kind in [("folder", "unreadable_file"), ("empty", "empty_file"),
                        ("blank", "empty_file"), ("wrongcols", "parquet_columns"), ("cut", "bad_parquet"),
                        ("fake", "bad_parquet"), ("zero", "empty_file")]:
         s = summary[name]

@@ -173,3 +173,98 @@ class TestStoreRoot:
         assert res.returncode == 1 and "refusing store" in res.stderr and "(etc)" in res.stderr, res.stderr
         assert not (system / "etc" / "manifest.json").exists()
         assert redis_server.client().llen("draftfleet.etc") == 0
+
+
+# -- input that exhausts or hangs --------------------------------------------------------------
+def _read_all(path, limit: int = 4 * 1024 * 1024, fmt: str = "jsonl", timeout: float = 20.0):
+    """The reader's output, run in a thread: a hang is a test failure after ``timeout``, not a stuck suite."""
+    from draftfleet.producer.readers import read_prompts
+    from draftfleet.schemas.config import DatasetConfig
+
+    got: list = []
+    t = threading.Thread(target=lambda: got.extend(read_prompts(DatasetConfig(name="t", path=str(path), format=fmt),
+                                                                max_line_bytes=limit)), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"reading {path} did not end within {timeout}s"
+    return got
+
+
+def test_an_oversized_line_is_never_held_whole(tmp_path):
+    """A 64 MiB line under a 1 MiB limit: peak Python memory stays near the limit, not the line."""
+    import tracemalloc
+
+    from draftfleet.producer.readers import EXCERPT_BYTES, PromptRow
+
+    big = b'{"prompt": "' + b"y" * (64 * 1024 * 1024) + b'"}'
+    path = tmp_path / "big.jsonl"
+    with open(path, "wb") as fh:
+        fh.write(b'{"prompt": "a"}\n' + big + b'\n{"prompt": "b"}\n')
+    digest = hashlib.sha256(big).hexdigest()
+    del big
+    tracemalloc.start()
+    try:
+        items = _read_all(path, limit=1024 * 1024)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 1024 * 1024, f"peak {peak / 2**20:.0f} MiB while reading a 64 MiB line"
+    assert [i.source for i in items if isinstance(i, PromptRow)] == ["big.jsonl:1", "big.jsonl:3"]
+    [entry] = [i.entry for i in items if not isinstance(i, PromptRow)]
+    assert entry.kind == "line_too_long" and len(entry.raw) == EXCERPT_BYTES
+    assert (entry.line_bytes, entry.line_sha256) == (64 * 1024 * 1024 + 14, digest)
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b""], ids=["lf", "crlf", "eof"])
+def test_lines_around_the_limit(tmp_path, ending):
+    """Lines of limit-1 .. limit+3 bytes: up to the limit read, above it rejected with the right length and hash."""
+    from draftfleet.producer.readers import PromptRow
+
+    limit = 64
+    lines = [b'{"prompt": "' + b"z" * (n - 14) + b'"}' for n in range(limit - 1, limit + 4)]
+    for i, line in enumerate(lines):
+        path = tmp_path / f"l{i}.jsonl"
+        path.write_bytes(line + ending)
+        [item] = _read_all(path, limit=limit)
+        if len(line) <= limit:
+            assert isinstance(item, PromptRow), len(line)
+        else:
+            assert (item.entry.kind, item.entry.line_bytes) == ("line_too_long", len(line))
+            assert item.entry.line_sha256 == hashlib.sha256(line).hexdigest() and item.entry.raw == line.decode()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_fifo_or_a_device_is_refused_not_read(tmp_path, fmt):
+    from draftfleet.producer.readers import count_rows
+    from draftfleet.schemas.config import DatasetConfig
+
+    fifo = tmp_path / f"pipe.{fmt}"
+    os.mkfifo(fifo)
+    for path, what in ((fifo, "a FIFO"), ("/dev/zero", "a character device")):
+        [item] = _read_all(path, fmt=fmt)
+        assert item.entry.kind == "unreadable_file" and item.entry.line is None
+        assert item.entry.message == f"{os.path.basename(path)}: cannot read {path}: {what}, not a regular file"
+        box: list = []
+        t = threading.Thread(target=lambda: box.append(count_rows(DatasetConfig(name="t", path=str(path), format=fmt))),
+                             daemon=True)
+        t.start()
+        t.join(10)
+        assert box == [None], f"count_rows({path}) hung or counted"
+
+
+def test_enqueue_of_a_fifo_ends_with_a_clear_error(tmp_path, tokenizer_dir, redis_server):
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, datasets=[{"name": "ds", "path": str(fifo)},
+                                                                       {"name": "zero", "path": "/dev/zero"}])
+    started = time.monotonic()
+    try:
+        res = run_cli("enqueue", "--config", str(config), "--show-rejects", "10",
+                      env={"REDIS_URL": redis_server.url, "COLUMNS": "500"},
+                      timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("enqueue hung on a FIFO / /dev/zero")
+    assert res.returncode == 0, res.stderr
+    assert f"cannot read {fifo}: a FIFO, not a regular file" in res.stderr
+    assert "cannot read /dev/zero: a character device, not a regular file" in res.stderr
+    assert time.monotonic() - started < 60

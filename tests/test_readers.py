@@ -4,6 +4,7 @@ and the good rows around it still come through with their own line numbers."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from draftfleet.producer.readers import PromptRow, Rejection, count_rows, read_prompts
+from draftfleet.producer.readers import EXCERPT_BYTES, PromptRow, Rejection, count_rows, read_prompts
 from draftfleet.schemas.config import DatasetConfig, FieldMap
 from draftfleet.schemas.records import Message
 
@@ -133,19 +134,21 @@ def test_wrong_type_message_names_expected_and_actual(tmp_path):
 
 
 @pytest.mark.parametrize("encoding_ok", [True, False], ids=["utf8", "not-utf8"])
-def test_line_too_long_keeps_the_whole_line(tmp_path, encoding_ok):
-    filler = "é".encode("utf-8") * (5 * 1024 * 1024 // 2) if encoding_ok else b"x" * (5 * 1024 * 1024) + b"\xff"
+def test_line_too_long_keeps_an_excerpt_its_length_and_hash(tmp_path, encoding_ok):
+    filler = "é".encode("utf-8") * (5 * 1024 * 1024 // 2) if encoding_ok else b"\xff" + b"x" * (5 * 1024 * 1024)
     big = b'{"prompt": "' + filler + b'"}'
     assert len(big) > 5 * 1024 * 1024
     path = tmp_path / "big.jsonl"
-    path.write_bytes(GOOD + b"\n" + big + b"\n" + GOOD)
+    path.write_bytes(GOOD + b"\n" + big + b"\r\n" + GOOD)
     rows, rejections = split(read(path, max_line_bytes=1024 * 1024))
     assert [r.source for r in rows] == ["big.jsonl:1", "big.jsonl:3"]
     [entry] = rejections
     assert entry.kind == "line_too_long" and entry.line == 2
     assert entry.message.startswith("big.jsonl:2: ") and "1048576" in entry.message
     assert (entry.raw is not None) == encoding_ok
-    assert raw_bytes(entry) == big
+    excerpt = raw_bytes(entry)
+    assert big.startswith(excerpt) and EXCERPT_BYTES - 4 < len(excerpt) <= EXCERPT_BYTES
+    assert (entry.line_bytes, entry.line_sha256) == (len(big), hashlib.sha256(big).hexdigest())
 
 
 def test_line_at_the_limit_is_read(tmp_path):
