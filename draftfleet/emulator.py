@@ -122,6 +122,7 @@ class EmulatorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     proxy: bool = False  # a proxy in front of /generate: 429s there, and Retry-After on its 429/503
     # Cloud side: key checked on /v1/chat/completions (None: any bearer key), prices in USD.
     api_key: str | None = None
+    byok: bool = False  # usage as OpenRouter reports a bring-your-own-key request
     price_input_per_mtok: float = 0.6
     price_output_per_mtok: float = 2.5
     # Faults, as probabilities per request (see FAULT_KINDS and FAULT_PATHS).
@@ -418,7 +419,8 @@ _CLOUD_FAULTS = {  # kind: (HTTP status, error code, message, metadata)
                     "model_slug": "emulated/model"}),
     "200_error": (200, 502, "Provider returned error (emulated)", {"provider_name": "emulated"}),
 }
-_ERROR_TYPES = {"403": "permission_denied"}  # the canonical top-level error_type OpenRouter adds
+_ERROR_TYPES = {"403": "permission_denied"}
+_BYOK_FEE = 0.05  # OpenRouter's fee on BYOK requests, as a share of the provider's charge  # the canonical top-level error_type OpenRouter adds
 
 
 def _error_body(code: int, message: str, metadata: dict[str, Any] | None = None,
@@ -925,15 +927,17 @@ class _App:
             message["reasoning"] = reasoning
         price_in, price_out = self.config.price_input_per_mtok, self.config.price_output_per_mtok
         cost = prompt_tokens * price_in / 1e6 + completion_tokens * price_out / 1e6
+        byok = self.config.byok  # the provider bills the user's own key; OpenRouter charges only its fee
         return {
             "id": gen_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+            "error": None,  # OpenRouter may send a null error in a successful body
             "usage": {
                 "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens, "cost": cost, "is_byok": False,
-                "prompt_tokens_details": {"cached_tokens": 0},
+                "total_tokens": prompt_tokens + completion_tokens, "cost": cost * _BYOK_FEE if byok else cost,
+                "is_byok": byok, "prompt_tokens_details": {"cached_tokens": 0},
                 "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                "cost_details": {"upstream_inference_cost": None},
+                "cost_details": {"upstream_inference_cost": cost if byok else None},
             },
         }
 

@@ -3,9 +3,12 @@
 The API returns text; it is re-tokenized with the target tokenizer (``retokenized``) while the
 provider's own counts and its real cost (OpenRouter ``usage.cost``) are kept beside ours.
 OpenRouter reports errors three ways: an HTTP status, HTTP 200 with an ``error`` body, or a
-choice with ``finish_reason: "error"``; all three are classified the same. A 402 for the
-in-flight budget is transient (it carries Retry-After); out of credits or a key limit halts.
-``max_tokens`` is always sent: OpenRouter reserves input + max_tokens per open request.
+choice with ``finish_reason: "error"``; all three are classified the same (a null ``error`` in a
+success is no error). A 402 for the in-flight budget is transient (it carries Retry-After); out of
+credits or a key limit halts. A 403 fails the prompt only when it is moderation (its metadata
+names ``reasons``/``flagged_input``); a permission or guardrail block halts, as does a
+``max_tokens`` over the model's limit (a setting, not the prompt). ``max_tokens`` is always sent:
+OpenRouter reserves input + max_tokens per open request.
 The API key lives only in the client's headers: it is scrubbed from anything we report.
 """
 
@@ -48,7 +51,8 @@ class CloudChat:
     def _scrub(self, text: str) -> str:
         return text.replace(self._secret, "***") if self._secret else text
 
-    def _classify(self, status: int, error: dict, retry_after: float | None) -> Exception:
+    def _classify(self, status: int, error: dict, retry_after: float | None, error_type: object = None) -> Exception:
+        """The fate an OpenRouter error decides (``error_type``: the body's canonical top-level one)."""
         code = error.get("code", status)
         try:
             code = int(code)
@@ -56,6 +60,13 @@ class CloudChat:
             code = status
         message = self._scrub(str(error.get("message", "")))[:300]
         meta = error.get("metadata") if isinstance(error.get("metadata"), dict) else {}
+        if retry_after is None:  # an in-body error says when to try again in its metadata
+            retry_after = parse_retry_after(str(meta.get("retry_after_seconds") or ""))
+        # The precise error type: top level (OpenRouter's canonical field), in the metadata, or as a string code.
+        kinds = {str(k) for k in (error_type, meta.get("error_type"), error.get("type"), error.get("code")) if k}
+        if "max_tokens_exceeded" in kinds:
+            return Halt("max_tokens_exceeded", f"{self.name}: max_tokens is over {self.cfg.model}'s output limit "
+                        f"(400 max_tokens_exceeded: {message}): lower datasets[].max_tokens for this backend")
         if code == 401:
             return Halt("unauthorized", f"{self.name}: the API key was refused (401): {message}")
         if code == 402:
@@ -68,7 +79,11 @@ class CloudChat:
         if code in _TRANSIENT_CODES or code >= 500:
             return Transient(f"http_{code}", message, retry_after)
         if code == 403:
-            return Permanent("moderation", message)
+            if "reasons" in meta or "flagged_input" in meta:
+                return Permanent("moderation", f"{message} (reasons: {meta.get('reasons')})")
+            kind = ", ".join(sorted(kinds - {"403"})) or "permission denied or guardrail block"
+            return Halt("forbidden", f"{self.name}: the API refused this key or its guardrail blocked the request "
+                        f"(403, {kind}): {message}: check the key's permissions and guardrails")
         return Permanent(f"http_{code}", message)
 
     def generate(self, task: PromptTask) -> Generation:
@@ -96,9 +111,10 @@ class CloudChat:
             raise Transient("bad_body", "response is not JSON") from None
         if not isinstance(out, dict):
             raise Transient("bad_body", "response is not a JSON object")
-        if resp.status_code != 200 or "error" in out:
-            err = out.get("error") if isinstance(out.get("error"), dict) else {"message": str(out.get("error", ""))}
-            raise self._classify(resp.status_code, err, retry_after)
+        error = out.get("error")
+        if resp.status_code != 200 or error is not None:
+            err = error if isinstance(error, dict) else {"message": str(error or resp.text[:200])}
+            raise self._classify(resp.status_code, err, retry_after, out.get("error_type"))
         choices = out.get("choices") or []
         if not choices:
             raise Transient("bad_body", "no choices in the response")
@@ -121,7 +137,8 @@ class CloudChat:
         usage = self._usage(out.get("usage") or {})
         ours_prompt = len(self.tokenizer.prompt_ids(task.messages))
         if usage.cost_usd is not None:
-            cost, source = usage.cost_usd, "provider"
+            # BYOK: usage.cost is only OpenRouter's fee; the provider bills its own charge too.
+            cost, source = usage.cost_usd + ((usage.is_byok and usage.upstream_cost_usd) or 0.0), "provider"
         elif self.cfg.price_input_per_mtok or self.cfg.price_output_per_mtok:
             cost = (usage.prompt_tokens or ours_prompt) * self.cfg.price_input_per_mtok / 1e6 + (
                 usage.completion_tokens or len(ids)
