@@ -144,13 +144,20 @@ def emulator_config(args):
     fields = {f: getattr(args, f) for f in EMULATOR_FLAGS if getattr(args, f, None) is not None}
     if args.api_key_env:
         fields["api_key"] = os.environ.get(args.api_key_env) or None
+    if args.sglang_api_key_env:
+        fields["sglang_api_key"] = os.environ.get(args.sglang_api_key_env) or None
+    for flag in ("proxy", "loading"):
+        if getattr(args, flag):
+            fields[flag] = True
     return EmulatorConfig(tokenizer=args.tokenizer, **fields)
 
 
 EMULATOR_FLAGS = ("model", "seed", "length", "reasoning_length", "single_stream_tps", "ceiling_tps", "max_running", "time_scale",
                   "rate_429", "rate_500", "rate_503", "rate_hang", "rate_cut", "rate_402", "rate_200_error",
                   "rate_abort", "retry_after_s", "hang_s", "price_input_per_mtok", "price_output_per_mtok",
-                  "ttft_s", "reasoning_rate")
+                  "ttft_s", "reasoning_rate", "rate_402_inflight", "rate_403", "rate_moderation", "split_rate", "health_s",
+                  "context_length", "max_output_tokens", "eos_token")
+_EMULATOR_INTS = ("max_running", "context_length", "max_output_tokens")
 
 
 def cmd_emulator(args) -> int:
@@ -514,7 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--length", help="completion length distribution: lognormal:MEAN:SIGMA, uniform:LO:HI, fixed:N")
     sp.add_argument("--reasoning-length", help="reasoning length distribution (with --reasoning-rate)")
     for flag in EMULATOR_FLAGS[4:]:
-        sp.add_argument("--" + flag.replace("_", "-"), type=float if flag != "max_running" else int, dest=flag)
+        kind = int if flag in _EMULATOR_INTS else str if flag == "eos_token" else float
+        sp.add_argument("--" + flag.replace("_", "-"), type=kind, dest=flag)
+    sp.add_argument("--sglang-api-key-env", help="SGLang's --api-key: this variable's value guards all but /health*")
+    sp.add_argument("--proxy", action="store_true", help="a proxy in front of /generate (429s, Retry-After)")
+    sp.add_argument("--loading", action="store_true", help="/health answers 503 (the model is warming up)")
     sp.set_defaults(func=cmd_emulator)
 
     sp = sub.add_parser("demo", help="run the whole fleet on the emulator and the sample data (no GPU, no network)")
