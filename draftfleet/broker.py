@@ -200,16 +200,86 @@ def verified_tls(url: str) -> str:
     return url
 
 
+SCHEMES = ("redis", "rediss", "unix")
+CONNECT_TIMEOUT_S = 10
+# Every reply of the fleet's own commands comes in well under this; a server that accepts and
+# never answers is reported instead of hanging a command or a worker forever.
+REPLY_TIMEOUT_S = 60
+
+_started: list[EmbeddedRedis] = []  # embedded servers this process started (see release_embedded)
+
+
+def check_url(url: str, where: str) -> str:
+    """Refuse a URL whose scheme redis-py cannot use, naming where it came from (never the password)."""
+    scheme = urlsplit(url).scheme
+    if scheme not in SCHEMES:
+        shown = f"scheme '{scheme}:'" if scheme else "no scheme"
+        raise BrokerError(f"{where}: {shown}, not a Redis URL; write redis://[:password@]host:port/db, "
+                          "rediss:// for TLS, or unix:///path.sock")
+    return url
+
+
+def client_name() -> str:
+    """The name this process's Redis connections carry (``CLIENT LIST`` tells whose they are)."""
+    return f"draftfleet-{os.getpid()}"
+
+
 def resolve_redis_url(explicit: str | None, configured: str | None, store: str | Path | None) -> str:
     """The Redis URL to use; starts the store's embedded server when nothing else is given."""
-    url = explicit or os.environ.get("REDIS_URL") or configured
-    if url:
-        return verified_tls(url)
+    for url, where in ((explicit, "--redis-url"), (os.environ.get("REDIS_URL"), "REDIS_URL"),
+                       (configured, "[fleet].redis_url")):
+        if url:
+            return verified_tls(check_url(url, where))
     if store is None:
         raise BrokerError("no Redis: pass --redis-url, set REDIS_URL, or give a store for the embedded server")
-    return EmbeddedRedis(Path(store) / STATE_DIR).ensure()
+    emb = EmbeddedRedis(Path(store) / STATE_DIR)
+    if emb.running_url() is None:
+        _started.append(emb)
+    return emb.ensure()
+
+
+def release_embedded() -> list[Path]:
+    """Stop the embedded servers this process started, when no other client is connected to them.
+
+    One-shot commands (status, import, reconcile...) that had to start the store's Redis leave
+    nothing running; a server that a worker started using meanwhile is left alone. Returns the
+    state folders of the servers stopped.
+    """
+    stopped = []
+    while _started:
+        emb = _started.pop()
+        url = emb.running_url()
+        if url is None:
+            continue
+        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=5, client_name=client_name())
+        try:
+            if any(c.get("name") != client_name() for c in client.client_list()):
+                continue  # another process uses it
+        except redis.RedisError:
+            continue
+        finally:
+            client.close()
+        if emb.stop():
+            stopped.append(emb.dir)
+    return stopped
+
+
+def unreachable(exc: redis.RedisError) -> str:
+    """Why Redis could not be used, in words an operator can act on (never the password)."""
+    text = str(exc)
+    if isinstance(exc, redis.AuthenticationError) or "invalid username-password" in text or "NOAUTH" in text:
+        return f"the password was refused ({text})"
+    if isinstance(exc, redis.TimeoutError):
+        return (f"timed out: no answer in {CONNECT_TIMEOUT_S}s to connect or {REPLY_TIMEOUT_S}s to reply "
+                f"(a firewall, the wrong host, or a server that is stuck) ({text})")
+    if "refused" in text.lower():
+        return f"connection refused: nothing listens there ({text})"
+    if "Name or service not known" in text or "nodename nor servname" in text or "getaddrinfo" in text:
+        return f"unknown host ({text})"
+    return text
 
 
 def connect(url: str) -> redis.Redis:
     """A redis-py client for counters and scheduling state (decoded replies off: keys are bytes)."""
-    return redis.Redis.from_url(url, socket_connect_timeout=10, socket_keepalive=True, health_check_interval=30)
+    return redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=REPLY_TIMEOUT_S,
+                                socket_keepalive=True, health_check_interval=30, client_name=client_name())

@@ -158,6 +158,24 @@ EMULATOR_FLAGS = ("model", "seed", "length", "reasoning_length", "single_stream_
                   "ttft_s", "reasoning_rate", "rate_402_inflight", "rate_403", "rate_moderation", "split_rate", "health_s",
                   "context_length", "max_output_tokens", "eos_token")
 _EMULATOR_INTS = ("max_running", "context_length", "max_output_tokens")
+_EMULATOR_HELP = {
+    "single_stream_tps": "tokens/s of one request alone", "ceiling_tps": "tokens/s of the whole batch at most",
+    "max_running": "requests decoded at once (more wait)", "time_scale": "wall seconds per model second (0: instant)",
+    "retry_after_s": "Retry-After sent with faults (seconds)", "hang_s": "how long a hung request is held (seconds)",
+    "price_input_per_mtok": "cloud price per million input tokens (USD)",
+    "price_output_per_mtok": "cloud price per million output tokens (USD)", "ttft_s": "prefill delay, at most (seconds)",
+    "reasoning_rate": "share of chat answers with reasoning (0-1)",
+    "split_rate": "share of answers with ids that do not survive decode->encode (0-1)",
+    "health_s": "how long a /health probe takes (seconds)", "context_length": "input + output tokens allowed",
+    "max_output_tokens": "the cloud model's max_tokens limit", "eos_token": "the model's EOS token (default end-of-turn)",
+}
+
+
+def _emulator_help(flag: str) -> str:
+    """Help for an emulator flag: a fault rate names its fault, the rest come from ``_EMULATOR_HELP``."""
+    if flag.startswith("rate_"):
+        return f"share of requests answered with the {flag[5:].replace('_', ' ')} fault (0-1)"
+    return _EMULATOR_HELP[flag]
 
 
 def cmd_emulator(args) -> int:
@@ -176,10 +194,10 @@ def cmd_demo(args) -> int:
 
 # -- redis -------------------------------------------------------------------------------------
 def cmd_redis(args) -> int:
-    from draftfleet.broker import EmbeddedRedis, redact
+    from draftfleet.broker import STATE_DIR, EmbeddedRedis, redact
 
-    cfg = _config(args)
-    emb = EmbeddedRedis(Path(cfg.fleet.store) / "_redis")
+    _cfg, root = _config_or_store(args)
+    emb = EmbeddedRedis(Path(root) / STATE_DIR)
     if args.action == "start":
         print(redact(emb.ensure()))
     elif args.action == "stop":
@@ -198,10 +216,10 @@ def cmd_redis(args) -> int:
 def cmd_failures(args) -> int:
     from draftfleet.store import Store
 
-    cfg = _config(args)
-    store = Store(cfg.fleet.store)
+    cfg, root = _config_or_store(args)
+    store = Store(root)
     rows = []
-    for name in args.dataset or [d.name for d in cfg.datasets]:
+    for name in args.dataset or ([d.name for d in cfg.datasets] if cfg else store.datasets()):
         for f in store.failures(name):
             rows.append({"dataset": f.dataset, "key": f.key, "source": f.source, "kind": f.error_kind,
                          "attempts": f.attempts, "reason": f.reason})
@@ -231,9 +249,11 @@ def cmd_flower(args) -> int:
 
 # -- status, drain, pivot ------------------------------------------------------------------
 def _redis(args, cfg):
+    """The fleet's Redis; with no config (``--store`` alone), the flag, REDIS_URL or the store's own."""
     from draftfleet.broker import connect, resolve_redis_url
 
-    return connect(resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store))
+    configured, store = (cfg.fleet.redis_url, cfg.fleet.store) if cfg else (None, args.store)
+    return connect(resolve_redis_url(args.redis_url, configured, store))
 
 
 def cmd_status(args) -> int:
@@ -315,8 +335,10 @@ def cmd_reconcile(args) -> int:
     from draftfleet.reconcile import Reconciler
     from draftfleet.store import Store
 
-    cfg = _config(args)
-    drifts = Reconciler(Store(cfg.fleet.store), _redis(args, cfg)).reconcile_all(_datasets(args, cfg))
+    cfg, root = _config_or_store(args)
+    store = Store(root)
+    names = _datasets(args, cfg) if cfg else (args.dataset or store.datasets())
+    drifts = Reconciler(store, _redis(args, cfg)).reconcile_all(names)
     if args.json:
         print(msgspec.json.encode(drifts).decode())
         return 0
@@ -476,7 +498,10 @@ def cmd_export(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     p = argparse.ArgumentParser(prog="draftfleet", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version('draftfleet')}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp, store=True):
@@ -495,34 +520,35 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_enqueue)
 
     sp = sub.add_parser("worker", help="run a worker: gpu (one per SGLang server) or cloud")
-    sp.add_argument("kind", choices=["gpu", "cloud", "reconciler"])
+    sp.add_argument("kind", choices=["gpu", "cloud", "reconciler"],
+                    help="gpu: one per SGLang server; cloud: an OpenAI-compatible API; reconciler: counters vs the store")
     common(sp)
     sp.add_argument("--url", help="gpu: URL of a running SGLang server")
     sp.add_argument("--gpu", help="gpu: launch SGLang on these GPUs: 0; 0,1 for one TP group of tp=2; "
                     "0-7 or all for one worker and server per group of [backends.sglang.launch].tp GPUs")
     sp.add_argument("--inflight", type=int, help="gpu: requests kept in flight (default [backends.sglang].inflight)")
-    sp.add_argument("--backend", help="cloud: the [backends.NAME] table to use")
+    sp.add_argument("--backend", help="cloud: the [backends.NAME] table to use (default: the only cloud backend)")
     sp.add_argument("--concurrency", type=int, help="cloud: requests in flight (default the backend's concurrency)")
     sp.add_argument("--dataset", "-d", action="append", help="consume only this dataset's queue (repeatable)")
     sp.add_argument("--name", help="worker name (default from kind and GPU/backend)")
     sp.add_argument("--interval", type=float, default=60.0, help="reconciler: seconds between passes")
     sp.add_argument("--metrics-port", type=int, help="reconciler: serve Prometheus metrics on this port")
     sp.add_argument("--metrics-address", default="127.0.0.1", help="reconciler: metrics bind address")
-    sp.add_argument("--loglevel", default="INFO")
+    sp.add_argument("--loglevel", default="INFO", help="DEBUG, INFO (one line per prompt; default), WARNING or ERROR")
     sp.set_defaults(func=cmd_worker)
 
     sp = sub.add_parser("emulator", help="serve SGLang /generate and OpenAI chat completions on loopback (tests, demo)")
     sp.add_argument("--tokenizer", required=True, help="tokenizer folder (the emulator's ids come from it)")
-    sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=30000)
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    sp.add_argument("--port", type=int, default=30000, help="port to serve on (default 30000)")
     sp.add_argument("--api-key-env", help="require this environment variable's value as the bearer key")
-    sp.add_argument("--model")
-    sp.add_argument("--seed", type=int)
+    sp.add_argument("--model", help="model name the emulator reports")
+    sp.add_argument("--seed", type=int, help="random seed of lengths, texts and faults")
     sp.add_argument("--length", help="completion length distribution: lognormal:MEAN:SIGMA, uniform:LO:HI, fixed:N")
     sp.add_argument("--reasoning-length", help="reasoning length distribution (with --reasoning-rate)")
     for flag in EMULATOR_FLAGS[4:]:
         kind = int if flag in _EMULATOR_INTS else str if flag == "eos_token" else float
-        sp.add_argument("--" + flag.replace("_", "-"), type=kind, dest=flag)
+        sp.add_argument("--" + flag.replace("_", "-"), type=kind, dest=flag, help=_emulator_help(flag))
     sp.add_argument("--sglang-api-key-env", help="SGLang's --api-key: this variable's value guards all but /health*")
     sp.add_argument("--proxy", action="store_true", help="a proxy in front of /generate (429s, Retry-After)")
     sp.add_argument("--loading", action="store_true", help="/health answers 503 (the model is warming up)")
@@ -530,26 +556,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("demo", help="run the whole fleet on the emulator and the sample data (no GPU, no network)")
     sp.add_argument("--store", help="keep the demo's store (and config) in this folder")
-    sp.add_argument("--timeout", type=float, default=110.0)
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--timeout", type=float, default=110.0, help="seconds before the demo gives up (default 110)")
+    sp.add_argument("--json", action="store_true", help="print the result as JSON")
     sp.set_defaults(func=cmd_demo)
 
     sp = sub.add_parser("redis", help="the store's embedded private Redis: start, stop, url")
-    sp.add_argument("action", choices=["start", "stop", "url"])
+    sp.add_argument("action", choices=["start", "stop", "url"],
+                    help="start it (prints the URL, password hidden), stop it, or print its URL")
     common(sp)
     sp.add_argument("--show-password", action="store_true", help="url: print the password too")
     sp.set_defaults(func=cmd_redis)
 
     sp = sub.add_parser("failures", help="list prompts whose retries ran out")
     common(sp)
-    sp.add_argument("--dataset", "-d", action="append")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
+    sp.add_argument("--json", action="store_true", help="print the list as JSON")
     sp.set_defaults(func=cmd_failures)
 
     sp = sub.add_parser("flower", help="Flower on the fleet's broker: basic auth required, Prometheus /metrics")
     common(sp)
     sp.add_argument("--address", default="127.0.0.1", help="address to bind (default loopback; /metrics is never authenticated)")
-    sp.add_argument("--port", type=int, default=5555)
+    sp.add_argument("--port", type=int, default=5555, help="port to serve on (default 5555)")
     sp.add_argument("--basic-auth-env", default="FLOWER_BASIC_AUTH", metavar="NAME",
                     help="environment variable holding user:password, several separated by commas (default FLOWER_BASIC_AUTH)")
     sp.add_argument("--no-auth", action="store_true", help="run without authentication: anyone who reaches the port sees the fleet")
@@ -560,51 +587,51 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
     sp.add_argument("--watch", action="store_true", help="refresh until interrupted")
-    sp.add_argument("--interval", type=float, default=2.0)
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--interval", type=float, default=2.0, help="--watch: seconds between refreshes (default 2)")
+    sp.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     sp.set_defaults(func=cmd_status)
 
     sp = sub.add_parser("drain", help="stop a worker kind taking new tasks from datasets; wait for what it started")
     common(sp)
-    sp.add_argument("--kind", choices=["gpu", "cloud"], required=True)
+    sp.add_argument("--kind", choices=["gpu", "cloud"], required=True, help="the worker kind to drain")
     sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
     sp.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for in-flight work")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="print the result and the inventory as JSON")
     sp.set_defaults(func=cmd_drain)
 
     sp = sub.add_parser("pivot", help="hand datasets to one worker kind (drains the other)")
     common(sp)
-    sp.add_argument("--to", choices=["gpu", "cloud"], required=True)
+    sp.add_argument("--to", choices=["gpu", "cloud"], required=True, help="the worker kind that takes the datasets")
     sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
-    sp.add_argument("--timeout", type=float, default=1800.0)
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for in-flight work (default 1800)")
+    sp.add_argument("--json", action="store_true", help="print the result and the inventory as JSON")
     sp.set_defaults(func=cmd_pivot)
 
     sp = sub.add_parser("reconcile", help="rebuild the counters from the store, report and correct drift")
     common(sp)
-    sp.add_argument("--dataset", "-d", action="append")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
+    sp.add_argument("--json", action="store_true", help="print the drift as JSON")
     sp.set_defaults(func=cmd_reconcile)
 
     sp = sub.add_parser("inventory", help="responses, tokens, budget, cost to finish and validation, from the store")
     common(sp)
-    sp.add_argument("--dataset", "-d", action="append")
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
     sp.add_argument("--tokenizer", help="tokenizer folder for the validation (default [fleet].tokenizer)")
     sp.add_argument("--roundtrip-sample", type=int, default=200,
                     help="exact records checked decode->encode (at most 100k tokens of them; 0: skip)")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="print the inventory as JSON")
     sp.set_defaults(func=cmd_inventory)
 
     sp = sub.add_parser("import", help="bring an earlier run's raw_responses.jsonl into the store")
-    sp.add_argument("path")
+    sp.add_argument("path", help="a JSONL file: one prompt and its output (text and/or output_ids) per line")
     common(sp)
-    sp.add_argument("--dataset", "-d", required=True)
+    sp.add_argument("--dataset", "-d", required=True, help="the dataset (of the config) the lines belong to")
     sp.add_argument("--label", default="import", help="backend name recorded on imported records")
     sp.add_argument("--finish-rule", choices=("max-tokens", "end-of-turn"), default="max-tokens",  # importer.FINISH_RULES
                     help="for lines without finish_reason whose ids lack the end-of-turn id: max-tokens calls them "
                     "truncated only when at least max_tokens long (default); end-of-turn always calls them truncated")
-    sp.add_argument("--tokenizer")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--tokenizer", help="tokenizer folder (default [fleet].tokenizer): re-tokenizes text-only lines")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_import)
 
     sp = sub.add_parser("export", help="write training files (SpecForge sharegpt, raw_responses, token rows)")
@@ -625,8 +652,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands that run once and end: a private Redis they had to start is stopped on the way out.
+ONE_SHOT = ("inventory", "export", "import", "reconcile", "status", "failures", "drain", "pivot")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    finally:
+        if args.command in ONE_SHOT:
+            from draftfleet.broker import release_embedded
+
+            release_embedded()
+
+
+def _run(args) -> int:
     try:
         return args.func(args) or 0
     except ConfigError as exc:
@@ -637,18 +678,18 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line error for operator mistakes; the rest keep a trace
         import redis
 
-        from draftfleet.broker import BrokerError
+        from draftfleet.broker import BrokerError, unreachable
+        from draftfleet.store import StoreError
         from draftfleet.tokenizer import TokenizerError
 
         if isinstance(exc, redis.RedisError):
             # redis-py names host and port, never the password
-            err.print(f"[red]cannot reach Redis[/]: {escape(str(exc))}", highlight=False)
+            err.print(f"[red]cannot reach Redis[/]: {escape(unreachable(exc))}", highlight=False)
             return 1
         if isinstance(exc, (BrokerError, StoreError, TokenizerError, OSError)):
             err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
             return 1
         raise
-        from draftfleet.store import StoreError
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ messages not yet sent, which a re-run queues.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -138,6 +139,8 @@ def enqueue_dataset(
     on_row: Callable[[], None] | None = None,
     on_reject: Callable[[Rejection], None] | None = None,
 ) -> EnqueueSummary:
+    if not os.path.lexists(ds.path):  # a typo in the config, not a bad line: nothing is written
+        raise EnqueueError(f"dataset {ds.name!r}: {ds.path} does not exist")
     manifest = check_manifest(store, cfg, ds, new_version)
     summary = EnqueueSummary(dataset=ds.name, version=manifest.version)
     ledger = Ledger(r)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 import msgspec
+import redis
 
 from draftfleet import redis_keys as rk
 from draftfleet.broker import connect, redact, resolve_redis_url
@@ -65,6 +68,39 @@ def refuse_duplicate_name(r, hostname: str) -> None:
     raise ConfigError(f"a worker named {hostname} is already running (pid {pid}): give this one --name")
 
 
+def announce_waiting(r, hostname: str, kind: str, backend: str, endpoint: str, datasets: list[str],
+                     what: str, every_s: float = 5.0) -> Callable[[], None]:
+    """Publish this worker's report as ``waiting`` for ``what`` until the returned function is called.
+
+    A GPU worker waits minutes for its server (a large model loads for 10-30): ``status`` shows it
+    waiting instead of not at all. The report has a TTL, so a worker that dies waiting drops out.
+    """
+    stop = threading.Event()
+
+    def publish() -> None:
+        report = {"hostname": hostname, "kind": kind, "backend": backend, "endpoint": endpoint,
+                  "datasets": sorted(datasets), "queues": [], "inflight": {}, "slots": 0, "paused": None,
+                  "waiting": what, "pid": os.getpid(), "at": time.time()}
+        try:
+            r.set(rk.worker_report(hostname), msgspec.json.encode(report), ex=int(3 * every_s))
+        except redis.RedisError as exc:
+            log.warning("cannot publish the waiting report: %s", exc)
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            publish()
+
+    publish()
+    thread = threading.Thread(target=loop, name="draftfleet-waiting", daemon=True)
+    thread.start()
+
+    def done() -> None:
+        stop.set()
+        thread.join()
+
+    return done
+
+
 def run_worker(
     cfg: FleetConfig,
     kind: str,
@@ -95,7 +131,10 @@ def run_worker(
         label = f"gpu{'-'.join(map(str, gpus))}" if gpus is not None else f"sglang-{url.rsplit(':', 1)[-1].strip('/')}"
     elif kind == "cloud":
         if not backend_name:
-            raise ConfigError("a cloud worker needs --backend NAME")
+            if len(cfg.clouds) != 1:  # the only cloud backend needs no naming
+                raise ConfigError(f"{cfg.path}: a cloud worker needs --backend NAME, one of: "
+                                  + (", ".join(sorted(cfg.clouds)) or "none configured ([backends.NAME] with base_url)"))
+            backend_name = next(iter(cfg.clouds))
         cfg.cloud(backend_name)
         label = f"cloud-{backend_name}"
     else:
@@ -109,6 +148,8 @@ def run_worker(
     backend: Backend | None = None
     try:
         if kind == "gpu":
+            stop_waiting = announce_waiting(r, hostname, kind, "sglang", redact(url) if url else f"GPU {gpus}", names,
+                                            f"SGLang at {redact(url)}" if url else f"SGLang to start on GPU(s) {gpus}")
             if gpus is not None:
                 from draftfleet.workers.launcher import SGLangServer, port_for
 
@@ -120,6 +161,7 @@ def run_worker(
             backend = SGLangClient(url, cfg.sglang, tokenizer, inflight=n)
             log.info("waiting for SGLang at %s", redact(url))
             backend.wait_ready(ready_timeout_s)
+            stop_waiting()
             pause_s = 30.0
         else:
             cb = cfg.cloud(backend_name)
