@@ -9,10 +9,11 @@ de-duplication work without any state but the store.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 
 import msgspec
 
-from draftfleet.schemas.records import GenerationSettings, Message
+from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
 
 _encoder = msgspec.json.Encoder(order="sorted")
 
@@ -32,3 +33,21 @@ def prompt_key(dataset: str, messages: list[Message], settings: GenerationSettin
         }
     )
     return hashlib.sha256(canonical).hexdigest()
+
+
+def task_problem(task: PromptTask, allowed: Collection[GenerationSettings]) -> str | None:
+    """Why a task is not what its own content says (None when it is).
+
+    A task is trusted only as far as it can be recomputed: its settings must be ones its dataset
+    was enqueued with, and its key must be the key of its dataset, messages and settings. A forged
+    task (any prompt, any ``max_tokens``, a genuine key) would otherwise be generated, stored under
+    that key and exported, and the genuine prompt never generated (the store is write-once).
+    """
+    if task.settings not in allowed:
+        return (f"settings {_encoder.encode(task.settings).decode()} are not the dataset's "
+                f"({', '.join(_encoder.encode(s).decode() for s in allowed) or 'none known'})")
+    if task.settings_id != settings_id(task.settings):
+        return f"settings_id {task.settings_id!r} does not match the settings"
+    if task.key != prompt_key(task.dataset, task.messages, task.settings):
+        return f"key {task.key} is not the key of the task's dataset, messages and settings"
+    return None

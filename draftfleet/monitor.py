@@ -15,6 +15,10 @@ against Flower 2.x's source:
   are forgotten on restart and ignore the dataset assignment kept in Redis.
 - Flower keeps task history in memory only; its ``/metrics`` has no queue depth (the fleet's own
   metrics and ``draftfleet status`` read that from Redis).
+- Its broker tab (and ``/api/queues/length``) lists only the queues that live workers report
+  consuming, falling back to the app's ``task_queues`` when it knows none
+  (``BaseHandler.get_active_queue_names``; mher/flower#335, #559): a dataset nobody consumes, just
+  enqueued or pivoted away, would vanish from it. Here both list every dataset's queue as well.
 """
 
 from __future__ import annotations
@@ -52,6 +56,29 @@ def basic_auth_from_env(name: str) -> list[str]:
     return pairs
 
 
+def _fleet_queue_views(cfg: FleetConfig):
+    """Flower's broker page and queue-length API, listing every dataset queue besides the consumed ones.
+
+    Datasets come from the config and from the store (one enqueued since Flower started has a
+    manifest there), read on each request.
+    """
+    from flower.api.tasks import GetQueueLengths
+    from flower.views.broker import BrokerView
+
+    from draftfleet import redis_keys as rk
+    from draftfleet.store import Store
+
+    store = Store(cfg.fleet.store)
+
+    class DatasetQueues:
+        def get_active_queue_names(self):
+            names = {d.name for d in cfg.datasets} | set(store.datasets())
+            return sorted(set(super().get_active_queue_names()) | {rk.queue(n) for n in names})
+
+    return (type("FleetBrokerView", (DatasetQueues, BrokerView), {}),
+            type("FleetQueueLengths", (DatasetQueues, GetQueueLengths), {}))
+
+
 def run_flower(
     cfg: FleetConfig,
     broker_url: str,
@@ -82,6 +109,9 @@ def run_flower(
 
     app = make_app(broker_url, cfg.fleet.visibility_timeout_s)
     flower_app = Flower(capp=app, options=options, **settings)
+    # Rules added after construction are matched before Flower's own (tornado's Application.add_handlers).
+    broker_view, queue_lengths = _fleet_queue_views(cfg)
+    flower_app.add_handlers(r".*", [(r"/broker", broker_view), (r"/api/queues/length", queue_lengths)])
     atexit.register(flower_app.stop)
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(0))
     bound = flower_app.start_http_server()

@@ -268,3 +268,77 @@ def test_enqueue_of_a_fifo_ends_with_a_clear_error(tmp_path, tokenizer_dir, redi
     assert f"cannot read {fifo}: a FIFO, not a regular file" in res.stderr
     assert "cannot read /dev/zero: a character device, not a regular file" in res.stderr
     assert time.monotonic() - started < 60
+
+
+# -- what a message can make a worker do -------------------------------------------------------
+def test_a_worker_runs_only_genuine_fleet_tasks(tmp_path, redis_server, tokenizer_dir, emulator_factory, workers):
+    """Forged, foreign and Celery built-in tasks are dead-lettered with the reason, never run or requeued."""
+    import json
+
+    import msgspec
+
+    from draftfleet import redis_keys as rk
+    from draftfleet.identity import prompt_key, settings_id
+    from draftfleet.schemas.config import load_config
+    from draftfleet.schemas.records import Message, PromptTask
+    from draftfleet.workers.app import make_app
+
+    from .test_faults import CLOUD_ENV, _enqueue
+    from .test_fleet import KEY_ENV
+
+    emu = emulator_factory(time_scale=0, api_key=KEY_ENV["DRAFTFLEET_TEST_KEY"])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"genuine {i}"} for i in range(3)])
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url, datasets=[
+        {"name": "ds", "path": str(data), "max_tokens": 16}, {"name": "ds2", "path": str(data), "max_tokens": 16}])
+    cfg = load_config(config)
+    settings = cfg.dataset("ds").settings(cfg.fleet.model)
+    genuine = [Message(role="user", content="genuine 0")]
+    real_key = prompt_key("ds", genuine, settings)
+    evil = [Message(role="user", content="say something the trainer must not learn")]
+    big = msgspec.structs.replace(settings, max_tokens=4096)
+
+    def task(messages, s=settings, key=None, dataset="ds", sid=None) -> dict:
+        return msgspec.to_builtins(PromptTask(
+            key=key or prompt_key(dataset, messages, s), dataset=dataset, source="evil:1", messages=messages,
+            settings=s, settings_id=sid or settings_id(s), enqueued_at=0.0))
+
+    app = make_app(redis_server.url, 7200)
+    q = rk.queue("ds")
+    sends = [
+        ("unknown dataset 'nope'", rk.TASK_NAME, [task(evil, dataset="nope")]),
+        ("a task of dataset 'ds2' on queue draftfleet.ds", rk.TASK_NAME, [task(evil, dataset="ds2")]),
+        ("forged or stale task: key " + real_key, rk.TASK_NAME, [task(evil, key=real_key)]),
+        ('forged or stale task: settings {"max_tokens":4096', rk.TASK_NAME, [task(genuine, s=big)]),
+        ("forged or stale task: settings_id 'x'", rk.TASK_NAME, [task(genuine, sid="x")]),
+        ("not a fleet task 'celery.accumulate'", "celery.accumulate", [1, 2]),
+        ("not a fleet task 'celery.backend_cleanup'", "celery.backend_cleanup", []),
+        ("not a fleet task 'celery.map'", "celery.map", [{"task": "celery.accumulate", "args": [],
+                                                           "kwargs": {}, "options": {}}, [[1]]]),
+        ("not a fleet task 'celery.chunks'", "celery.chunks", [{"task": "celery.accumulate", "args": [],
+                                                                 "kwargs": {}, "options": {}}, [[1]], 1]),
+    ]
+    for _, name, args in sends:
+        app.send_task(name, args=args, queue=q)
+    _enqueue(config, redis_server.url, "--dataset", "ds")
+    r = redis_server.client()
+    worker = workers.start(config, "cloud", "--backend", "cloudy", "--name", "strict",
+                           redis_url=redis_server.url, env=CLOUD_ENV)
+    store = Store(cfg.fleet.store)
+    from .conftest import wait_until
+
+    wait_until(lambda: len(store.keys("ds")) == 3, 60, 0.2, f"3 results\n{workers.logs()}")
+    wait_until(lambda: r.llen(rk.DEAD_LETTER) >= len(sends), 20, 0.2, f"{len(sends)} dead letters\n{workers.logs()}")
+    time.sleep(1.0)
+    reasons = sorted(json.loads(x)["reason"] for x in r.lrange(rk.DEAD_LETTER, 0, -1))
+    assert len(reasons) == len(sends), reasons
+    for want, _, _ in sends:
+        assert sum(got.startswith(want) for got in reasons) == 1, (want, reasons)
+    # the genuine prompt behind the stolen key was generated, with its own content and settings
+    rec = store.get("ds", real_key)
+    assert rec.messages == genuine and rec.settings_id == settings_id(settings)
+    assert all(m.content.startswith("genuine") for key in store.keys("ds") for m in store.get("ds", key).messages)
+    assert not store.keys("ds2") and r.llen(q) == 0 and worker.poll() is None
+    log = workers.logs(tail=None)
+    for name in ("celery.accumulate", "celery.backend_cleanup", "celery.map", "celery.chunks"):
+        assert f"{name}[" not in log, f"{name} was received or run"
+    assert log.count("requeue") < 5 and emu.stats()["by_endpoint"]["/v1/chat/completions"] == 3

@@ -145,3 +145,41 @@ def test_a_worker_waiting_for_its_server_shows_in_status(tmp_path, tokenizer_dir
     assert w["hostname"].startswith("slowstart@") and url in w["waiting"]
     res = run_cli("status", "--config", str(config), env={**env, "COLUMNS": "200"})
     assert f"waiting for SGLang at {url}" in res.stdout
+
+
+def test_flower_broker_tab_lists_every_dataset_queue(tmp_path, tokenizer_dir, emulator_factory, workers):
+    """Read-only Flower (the default) lists the queue of a dataset no worker consumes, with its depth."""
+    from draftfleet import redis_keys as rk
+    from tests.conftest import RedisServer
+    from tests.test_flower import FlowerProc, _env
+
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    flower = None
+    try:
+        emu = emulator_factory(single_stream_tps=5000, ceiling_tps=100000, length="fixed:10", ttft_s=0.0)
+        data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"question {i}"} for i in range(3)])
+        config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url,
+                              datasets=[{"name": "ds", "path": str(data), "max_tokens": 32},
+                                        {"name": "other", "path": str(data), "max_tokens": 32}])
+        res = run_cli("enqueue", "--config", str(config), env={"REDIS_URL": server.url})
+        assert res.returncode == 0, res.stderr
+        workers.start(config, "gpu", "--dataset", "ds", "--name", "onlyds", redis_url=server.url)
+        flower = FlowerProc(tmp_path, config, server.url, env=_env(FLOWER_BASIC_AUTH="ops:pw-9d1e"))
+        flower.wait_up()
+        auth = ("ops", "pw-9d1e")
+
+        def lengths() -> dict[str, int]:
+            res = flower.get("/api/queues/length", auth=auth)
+            assert res.status_code == 200, res.text
+            return {q["name"]: q["messages"] for q in res.json()["active_queues"]}
+
+        wait_until(lambda: lengths().get(rk.queue("ds")) == 0, 60, 0.5, "the worker to empty ds")
+        assert lengths()[rk.queue("other")] == 3
+        page = flower.get("/broker", auth=auth)
+        assert page.status_code == 200 and rk.queue("other") in page.text and rk.queue("ds") in page.text
+        assert "read only" in flower.log() or "control off" in flower.log()
+    finally:
+        if flower is not None:
+            flower.stop()
+        server.stop()

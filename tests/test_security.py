@@ -22,7 +22,7 @@ import pytest
 from draftfleet import redis_keys as rk
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
-from draftfleet.store import Store
+from draftfleet.store import MARKER, Store
 
 from .conftest import RedisServer, free_port, run_cli, wait_until, write_config, write_jsonl
 from .test_fleet import _enqueue
@@ -91,7 +91,7 @@ def test_task_paths_cannot_leave_the_store(tmp_path, redis_server, tokenizer_dir
     new = {p for p in tmp_path.rglob("*")} - before
     assert all(p.is_relative_to(store.root / "ds") or p.name.startswith("worker-") for p in new), sorted(new)
     assert not outside.exists() and not (tmp_path / "x").exists() and not (store.root.parent / "x").exists()
-    assert sorted(p.name for p in store.root.iterdir()) == ["ds"]
+    assert sorted(p.name for p in store.root.iterdir()) == [MARKER, "ds"]
 
 
 class _EchoAPI(BaseHTTPRequestHandler):

@@ -1,10 +1,11 @@
 """How a worker takes messages off Redis: Celery's consumer and kombu's Redis transport, two gaps closed.
 
 Poison messages. Whatever a queue holds that is not one of our tasks goes to the dead-letter
-list, with the reason. Celery drops such messages with a log line (a body that does not decode,
-a content type other than JSON, a message without a task header or for an unknown task) and
-never calls the task, so the consumer below also writes each to ``draftfleet:dead_letter``. A
-pickled message is refused by kombu's ``accept`` check before anything is deserialized: only
+list, with the reason; Celery's own built-in tasks too (``celery.accumulate``, ``celery.map``...:
+a worker runs only the fleet's). Celery drops such messages with a log line (a body that does
+not decode, a content type other than JSON, a message without a task header or for an unknown
+task) and never calls the task, so the consumer below also writes each to
+``draftfleet:dead_letter``. A pickled message is refused by kombu's ``accept`` check before anything is deserialized: only
 its raw bytes are previewed. Messages over :data:`MAX_MESSAGE_BYTES` are refused undecoded. One
 case kills a stock worker: a list item kombu cannot read as a message (not JSON, or JSON but no
 envelope); kombu fails on it inside the event loop ("Unrecoverable error"). The transport below
@@ -45,6 +46,9 @@ from draftfleet.schemas.records import DeadLetter
 
 log = logging.getLogger("draftfleet.worker")
 
+# Celery registers its built-in tasks (celery.accumulate, celery.map, celery.backend_cleanup, ...) in
+# every app; a worker runs only tasks whose name starts with this.
+FLEET_TASK_PREFIX = "draftfleet."
 # Four times the reader's 4 MiB line limit: JSON escapes non-ASCII text, up to 3x its UTF-8 size.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 PREVIEW_CHARS = 2000
@@ -92,11 +96,16 @@ class Consumer(CeleryConsumer):
 
         def on_task_received(message):
             size = len(message.body or b"")
+            name = (message.headers or {}).get("task")
             if size > MAX_MESSAGE_BYTES:
-                self._dead_letter(message, f"message of {size} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
-                message.ack_log_error(log, self.connection_errors)
-                return None
-            return handle(message)
+                reason = f"message of {size} bytes is over the {MAX_MESSAGE_BYTES}-byte limit"
+            elif isinstance(name, str) and name in self.app.tasks and not name.startswith(FLEET_TASK_PREFIX):
+                reason = f"not a fleet task {name!r}: workers run only draftfleet's own tasks"
+            else:
+                return handle(message)
+            self._dead_letter(message, reason)
+            message.ack_log_error(log, self.connection_errors)
+            return None
 
         return on_task_received
 

@@ -33,6 +33,7 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
     reconciler = Reconciler(Store(cfg.fleet.store), r)
     names = [d.name for d in cfg.datasets]
     app = make_app(url, cfg.fleet.visibility_timeout_s)
+    app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"  # only fleet tasks run; others dead-lettered
 
     @app.task(name=RECONCILE_TASK, ignore_result=True, acks_late=False)
     def reconcile():

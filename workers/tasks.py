@@ -28,10 +28,11 @@ from kombu.exceptions import OperationalError
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned
+from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
 from draftfleet.recovery import Recovery
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import FailureRecord, PromptTask, ResponseRecord
+from draftfleet.schemas.records import FailureRecord, GenerationSettings, PromptTask, ResponseRecord
 from draftfleet.store import Store, StoreError, check_key, check_name
 from draftfleet.workers.backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
@@ -87,6 +88,27 @@ class Runtime:
         self._consumer = None
         self.spend_cap = cfg.clouds[backend.name].max_spend_usd if backend.kind == "cloud" else None
         self.budgets = {d.name: d.budget_tokens for d in cfg.datasets if d.budget_tokens}
+        self._settings: dict[str, list[GenerationSettings]] = {}
+
+    def refuse(self, task: PromptTask, queue: str) -> str | None:
+        """Why this worker must not run ``task`` at all (dead-lettered, never requeued): a dataset
+        it does not know, a task on another dataset's queue, or content that does not give its key
+        under the dataset's settings (its manifest's, or the config's before the first enqueue)."""
+        if task.dataset not in self.datasets:
+            return f"unknown dataset {task.dataset!r}: this worker runs {', '.join(self.datasets)}"
+        if queue != rk.queue(task.dataset):
+            return f"a task of dataset {task.dataset!r} on queue {queue}"
+        problem = task_problem(task, self._dataset_settings(task.dataset))
+        if problem is not None:  # a --new-version enqueue may have changed the manifest since
+            problem = task_problem(task, self._dataset_settings(task.dataset, reread=True))
+        return None if problem is None else f"forged or stale task: {problem}"
+
+    def _dataset_settings(self, dataset: str, reread: bool = False) -> list[GenerationSettings]:
+        if reread or dataset not in self._settings:
+            manifest = self.store.manifest(dataset)
+            configured = [d.settings(self.cfg.fleet.model) for d in self.cfg.datasets if d.name == dataset]
+            self._settings[dataset] = [manifest.settings, *manifest.previous] if manifest is not None else configured
+        return self._settings[dataset]
 
     def initial_queues(self) -> list[str]:
         """The ``-Q`` list: assigned queues, or an idle queue so the worker can start and wait."""
@@ -386,6 +408,8 @@ def execute(task_self, payload: object) -> str:
         check_key(task.key)
     except (msgspec.ValidationError, StoreError) as exc:
         return _dead_letter(rt, payload, f"not a valid task: {exc}", queue)
+    if (problem := rt.refuse(task, queue)) is not None:
+        return _dead_letter(rt, payload, problem, queue)
     if rt.store.has(task.dataset, task.key) and (done := _count_existing(rt, task, set_aside=False)):
         return done
     if task.dataset not in rt.allowed:
