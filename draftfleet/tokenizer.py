@@ -11,6 +11,7 @@ the end-of-turn id. Response text is encoded with special-token parsing off: a l
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections.abc import Sequence
 
@@ -33,6 +34,19 @@ def _ids(encoded) -> list[int]:
     return list(encoded["input_ids"])
 
 
+def check_code_folder(path: str) -> None:
+    """With ``trust_remote_code`` the folder's Python runs in every worker: refuse a folder or file
+    in it (a symlink's target included) that a user other than this one or root owns or can write."""
+    for root, dirs, files in os.walk(path):
+        for p in [root, *(os.path.join(root, n) for n in dirs + files)]:
+            st = os.stat(p)
+            if st.st_mode & 0o022 or st.st_uid not in (0, os.geteuid()):
+                who = f"writable by other users (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o022 \
+                    else f"owned by uid {st.st_uid}"
+                raise TokenizerError(f"tokenizer_trust_remote_code is on and {p} is {who}: its code would run "
+                                     "in every worker; make it yours and not writable by others, or turn the setting off")
+
+
 class TargetTokenizer:
     """Thread-safe wrapper: fast tokenizers raise "Already borrowed" under concurrent use."""
 
@@ -41,6 +55,8 @@ class TargetTokenizer:
 
         if not os.path.isdir(path):
             raise TokenizerError(f"tokenizer folder {path!r} does not exist (a local folder of the target model)")
+        if trust_remote_code:
+            check_code_folder(path)
         try:
             self._tok = AutoTokenizer.from_pretrained(
                 path, use_fast=use_fast, trust_remote_code=trust_remote_code, local_files_only=True

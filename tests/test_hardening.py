@@ -342,3 +342,28 @@ def test_a_worker_runs_only_genuine_fleet_tasks(tmp_path, redis_server, tokenize
     for name in ("celery.accumulate", "celery.backend_cleanup", "celery.map", "celery.chunks"):
         assert f"{name}[" not in log, f"{name} was received or run"
     assert log.count("requeue") < 5 and emu.stats()["by_endpoint"]["/v1/chat/completions"] == 3
+
+
+# -- trust_remote_code -------------------------------------------------------------------------
+@pytest.mark.parametrize("change", ["file 0666", "folder 0777", "file of another user"])
+def test_remote_code_from_a_folder_others_can_change_is_refused(tmp_path, tokenizer_dir, change):
+    import shutil
+
+    from draftfleet.tokenizer import TargetTokenizer, TokenizerError
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, folder)
+    code = folder / "tokenization_custom.py"
+    code.write_text("# a tokenizer's remote code\n")
+    code.chmod(0o644)
+    folder.chmod(0o755)
+    TargetTokenizer(str(folder), trust_remote_code=True)  # ours, not writable by others: loads
+    if change == "file 0666":
+        code.chmod(0o666)
+    elif change == "folder 0777":
+        folder.chmod(0o777)
+    else:
+        os.chown(code, OTHER_UID, OTHER_UID)
+    with pytest.raises(TokenizerError, match="tokenizer_trust_remote_code is on and .* (writable by other users|owned by uid 4242)"):
+        TargetTokenizer(str(folder), trust_remote_code=True)
+    TargetTokenizer(str(folder), trust_remote_code=False)  # no code runs: nothing to refuse
