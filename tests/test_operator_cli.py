@@ -183,3 +183,32 @@ def test_flower_broker_tab_lists_every_dataset_queue(tmp_path, tokenizer_dir, em
         if flower is not None:
             flower.stop()
         server.stop()
+
+
+def test_worker_logs_one_line_per_prompt_and_no_traceback_for_pauses(tmp_path, tokenizer_dir, redis_server,
+                                                                      emulator_factory, workers):
+    from draftfleet.schemas.config import load_config
+    from draftfleet.store import Store
+
+    emu = emulator_factory(single_stream_tps=5000, ceiling_tps=100000, length="fixed:10", ttft_s=0.0,
+                           api_key="the-right-key")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"question {i}"} for i in range(5)])
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url,
+                          datasets=[{"name": "ds", "path": str(data), "max_tokens": 32}])
+    assert run_cli("enqueue", "--config", str(config), env={"REDIS_URL": redis_server.url}).returncode == 0
+    # a cloud worker whose key is refused: it pauses and requeues what it took, without tracebacks
+    cloud = workers.start(config, "cloud", redis_url=redis_server.url, env={"DRAFTFLEET_TEST_KEY": "a-wrong-key"})
+    wait_until(lambda: "STOPPED CONSUMING" in workers.logs(tail=None), 60, 0.3, workers.logs())
+    workers.stop(cloud)
+    paused_log = workers.logs(tail=None)
+    assert "Traceback" not in paused_log and "a-wrong-key" not in paused_log
+    workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
+    store = Store(load_config(config).fleet.store)
+    wait_until(lambda: len(store.keys("ds")) == 5, 60, 0.2, workers.logs())
+    time.sleep(0.5)
+    log = workers.logs(tail=None)[len(paused_log):]
+    stored = [line for line in log.splitlines() if "INFO/" in line and "stored ds " in line]
+    assert len(stored) == 5, log
+    assert all(" tokens from sglang in " in line and line.rstrip().endswith(", attempt 1)") for line in stored), stored
+    assert "] received" not in log and "] succeeded in" not in log, log
+    assert "Traceback" not in log

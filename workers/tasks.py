@@ -444,6 +444,8 @@ def execute(task_self, payload: object) -> str:
         rt.ledger.count(record)
         if record.truncated:
             rt.ledger.event(task.dataset, "truncated")
+        log.info("stored %s %s: %d tokens from %s in %.2fs (%s, attempt %d)", task.dataset, task.source,
+                 record.completion_tokens, record.backend, record.latency_s, record.finish_reason, attempts)
         return "stored"
     finally:
         try:

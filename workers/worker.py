@@ -30,12 +30,37 @@ from draftfleet.workers.tasks import Runtime, install, register
 
 log = logging.getLogger("draftfleet.worker")
 
+ENGINE_CLIENTS: dict[Engine, type[EngineClient]] = {"sglang": SGLangClient, "vllm": VLLMClient}
+
+
+class _CeleryTaskLines(logging.Filter):
+    """Celery's per-task lines, reshaped for a fleet that logs its own line per prompt.
+
+    The "received" and "succeeded" lines repeat the task's (long) argument and say nothing the
+    worker's own ``stored ...`` line does not: they are kept only at DEBUG. A rejected task is a
+    pause or a requeue (the task goes back to its queue), which Celery logs as a WARNING with a
+    traceback: it is kept as one INFO line without it.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from celery.app import trace
+
+        if record.msg in (trace.LOG_RECEIVED, trace.LOG_SUCCESS):
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        if record.msg == trace.LOG_REJECTED:
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
     # httpx logs every request at INFO: too loud for thousands of requests a minute.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
+    quiet = _CeleryTaskLines()
+    for name in ("celery.app.trace", "celery.worker.strategy"):
+        logging.getLogger(name).addFilter(quiet)
 
 
 def cloud_api_key(cfg: FleetConfig, name: str) -> str:
