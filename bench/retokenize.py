@@ -1,7 +1,7 @@
 """Re-tokenization: cloud text back into the target's token ids, per core, batched or not.
 
 A cloud worker turns every answer into ids with the target tokenizer (``completion_ids``: the
-chat template places the turn, the body is encoded with special-token parsing off). Measured on
+chat template places the turn, the answer's text is encoded with special-token parsing off). Measured on
 the same synthetic answers: one call per answer, as the worker does now, against
 ``completion_ids_batch`` over batches of answers; both give the same ids. Per core means tokens
 per CPU-second of the process (all threads, the tokenizer's own included).
@@ -47,7 +47,7 @@ def _timed(fn) -> tuple[float, float, object]:
 def run(work: Path, *, n: int, mean_tokens: float, batch: int, repeats: int = 3) -> Section:
     tok = TargetTokenizer(str(TOKENIZER))
     data = answers(n, mean_tokens)
-    bodies = [tok._completion_body(m, t, r) for m, t, r, _ in data]
+    bodies = [(r or "") + t for _, t, r, _ in data]  # the answers' text, without the template's markup
 
     def single() -> list[list[int]]:
         return [tok.completion_ids(m, t, r, s) for m, t, r, s in data]

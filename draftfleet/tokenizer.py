@@ -3,17 +3,23 @@
 Loaded with transformers ``AutoTokenizer`` from a local folder only (never the hub). Models like
 the Kimi K2 family ship a slow tiktoken tokenizer whose automatic fast conversion shifts special
 ids (transformers PR #45359): set ``tokenizer_use_fast = false`` and
-``tokenizer_trust_remote_code = true`` for them; :meth:`TargetTokenizer.check_special` verifies
-the end-of-turn id. Response text is encoded with special-token parsing off: a literal
+``tokenizer_trust_remote_code = true`` for them.
+
+A cloud record's ids are what the target itself would have emitted after the generation prompt:
+for Kimi-K2.5 ``reasoning</think>answer<|im_end|>`` (its prompt already ends in ``<think>``), for
+Qwen3 ``<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>``. The chat template says where the
+reasoning and the answer go (:meth:`TargetTokenizer._skeleton`); the markup it writes keeps its
+special ids, while response text is encoded with special-token parsing off, so a literal
 ``<|im_end|>`` inside a response is text, not the end-of-turn id.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from draftfleet.schemas.config import FleetSection
 from draftfleet.schemas.records import Message
@@ -22,9 +28,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Stand-ins rendered through the chat template to see where it puts the answer and the reasoning.
+_CONTENT = "DRAFTFLEETCONTENTSLOT"
+_REASONING = "DRAFTFLEETREASONINGSLOT"
+_SLOTS = re.compile(f"({_CONTENT}|{_REASONING})")
+# Padding around the stand-ins: what the template strips of it, it strips of real text too
+# (Qwen3 strips the reasoning's newlines and the answer's leading ones).
+_PAD = "\n \n"
+
+Strip = str | None  # None: kept; "\n": newlines stripped; "": all whitespace stripped
+
 
 class TokenizerError(RuntimeError):
     pass
+
+
+class TemplateError(TokenizerError):
+    """The chat template cannot place any answer as configured: a setting must change, not the prompt."""
 
 
 def _ids(encoded) -> list[int]:
@@ -32,6 +52,37 @@ def _ids(encoded) -> list[int]:
     if isinstance(encoded, list):
         return encoded
     return list(encoded["input_ids"])
+
+
+def _strips(bare: str, padded: str) -> dict[str, tuple[Strip, Strip]]:
+    """What the template strips of each stand-in's text, from one render with padding and one without."""
+    b, p = _SLOTS.split(bare), _SLOTS.split(padded)
+    if b[1::2] != p[1::2]:
+        raise TemplateError("the chat template places the answer differently when it has surrounding whitespace")
+    leads = {_PAD: None, _PAD.lstrip("\n"): "\n", "": ""}  # what is left of the padding -> the rule
+    trails = {_PAD: None, _PAD.rstrip("\n"): "\n", "": ""}
+    rules: dict[str, list[Strip]] = {slot: [None, None] for slot in b[1::2]}
+    for k in range(0, len(b), 2):
+        before, after = (b[k - 1] if k else None), (b[k + 1] if k + 1 < len(b) else None)
+        fits = [(t, lead) for t in (trails if before else [""]) for lead in (leads if after else [""])
+                if p[k] == t + b[k] + lead]
+        if not fits:
+            raise TemplateError("the chat template changes the text around the answer in a way draftfleet cannot follow")
+        t, lead = fits[0]
+        if before:
+            rules[before][1] = trails[t]
+        if after:
+            rules[after][0] = leads[lead]
+    return {slot: (lead, trail) for slot, (lead, trail) in rules.items()}
+
+
+def _strip(text: str, rule: tuple[Strip, Strip]) -> str:
+    lead, trail = rule
+    if lead is not None:
+        text = text.lstrip(lead or None)
+    if trail is not None:
+        text = text.rstrip(trail or None)
+    return text
 
 
 def check_code_folder(path: str) -> None:
@@ -50,7 +101,8 @@ def check_code_folder(path: str) -> None:
 class TargetTokenizer:
     """Thread-safe wrapper: fast tokenizers raise "Already borrowed" under concurrent use."""
 
-    def __init__(self, path: str, *, use_fast: bool = True, trust_remote_code: bool = False, end_of_turn: str | None = None):
+    def __init__(self, path: str, *, use_fast: bool = True, trust_remote_code: bool = False,
+                 end_of_turn: str | None = None, reasoning_markers: tuple[str, str] | None = None):
         from transformers import AutoTokenizer
 
         if not os.path.isdir(path):
@@ -70,8 +122,16 @@ class TargetTokenizer:
         if not isinstance(eot_id, int) or eot_id == self._tok.unk_token_id:
             raise TokenizerError(f"end-of-turn token {self.eot_token!r} is not in the tokenizer at {path!r}")
         self.eot_id: int = eot_id
-        self.special_ids = frozenset(self._tok.all_special_ids) | {self.eot_id}
+        added = self._tok.added_tokens_decoder
+        # Kimi lists its reserved specials only here, not among all_special_ids.
+        self.special_ids = (frozenset(self._tok.all_special_ids) | {i for i, t in added.items() if t.special}
+                            | {self.eot_id})
+        self._added = {t.content: i for i, t in added.items()}
+        longest_first = sorted(self._added, key=len, reverse=True)
+        self._added_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if longest_first else None
         self.vocab_size = len(self._tok)
+        self.reasoning_markers = reasoning_markers or self._default_markers()
+        self._encode_plain = self._plain_encoder()
 
     @classmethod
     def from_config(cls, fleet: FleetSection) -> TargetTokenizer:
@@ -82,6 +142,7 @@ class TargetTokenizer:
             use_fast=fleet.tokenizer_use_fast,
             trust_remote_code=fleet.tokenizer_trust_remote_code,
             end_of_turn=fleet.end_of_turn,
+            reasoning_markers=fleet.reasoning_markers,
         )
 
     def _default_eot(self) -> str:
@@ -93,13 +154,58 @@ class TargetTokenizer:
             return self._tok.eos_token
         raise TokenizerError(f"cannot tell the end-of-turn token of {self.path!r}: set [fleet].end_of_turn")
 
+    def _default_markers(self) -> tuple[str, str] | None:
+        vocab = self._tok.get_vocab()
+        return ("<think>", "</think>") if "<think>" in vocab and "</think>" in vocab else None
+
+    def _plain_encoder(self) -> Callable[[list[str]], list[list[int]]]:
+        """The way this tokenizer encodes text with special-token strings as text, found by trying.
+
+        ``split_special_tokens`` is honoured by fast tokenizers and transformers' own slow ones, but
+        not by Kimi's remote code, whose ``encode`` parses specials unless ``allow_special_tokens=False``.
+        Each way is tried on text quoting every special token; the first that keeps it text wins.
+        """
+        tok = self._tok
+        backend = getattr(tok, "backend_tokenizer", None)
+
+        def fast(texts: list[str]) -> list[list[int]]:
+            saved = backend.encode_special_tokens
+            backend.encode_special_tokens = True
+            try:
+                return [enc.ids for enc in backend.encode_batch(texts, add_special_tokens=False)]
+            finally:
+                backend.encode_special_tokens = saved
+
+        def split_special(texts: list[str]) -> list[list[int]]:
+            return [list(ids) for ids in tok(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
+
+        def allow_special_false(texts: list[str]) -> list[list[int]]:
+            return [list(tok.encode(t, allow_special_tokens=False)) for t in texts]
+
+        specials = [t for t, i in self._added.items() if i in self.special_ids] or [self.eot_token]
+        probe = "a " + " b".join(specials) + "c"
+        for encode in ([fast] if backend is not None else []) + [split_special, allow_special_false]:
+            try:
+                [ids] = encode([probe])
+                ok = not self.special_ids.intersection(ids) and tok.decode(ids, skip_special_tokens=False) == probe
+            except Exception:  # a keyword the tokenizer does not know, or worse: this way does not work
+                ok = False
+            if ok:
+                return encode
+        raise TokenizerError(f"the tokenizer at {self.path!r} parses special tokens inside any text it encodes: "
+                             "cloud answers cannot be re-tokenized with it")
+
     @staticmethod
     def _dicts(messages: Sequence[Message]) -> list[dict]:
         return [{"role": m.role, "content": m.content} for m in messages]
 
-    def prompt_text(self, messages: Sequence[Message]) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        """The chat template's text; the flag is always passed (Kimi's default adds the prompt)."""
         with self._lock:
-            return self._tok.apply_chat_template(self._dicts(messages), tokenize=False, add_generation_prompt=True)
+            return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def prompt_text(self, messages: Sequence[Message]) -> str:
+        return self._render(self._dicts(messages), True)
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The exact ids SGLang receives: the chat template with the generation prompt."""
@@ -108,96 +214,150 @@ class TargetTokenizer:
 
     def encode_text(self, text: str) -> list[int]:
         """Encode plain text: special-token strings inside it stay text."""
-        with self._lock:
-            ids = _ids(self._tok(text, add_special_tokens=False, split_special_tokens=True))
-        return self._plain(ids)
+        return self._encode_texts([text])[0]
 
-    def _plain(self, ids: list[int]) -> list[int]:
-        """``ids`` of response text, refused if the tokenizer parsed special tokens inside it."""
-        parsed = [i for i in ids if i in self.special_ids]
-        if parsed:
-            raise TokenizerError(
-                f"tokenizer at {self.path!r} parsed special tokens inside response text (ids {parsed[:5]}); "
-                "it ignores split_special_tokens: use a tokenizer class that honours it"
-            )
-        return ids
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        with self._lock:
+            out = self._encode_plain(texts)
+        for ids in out:
+            if parsed := self.special_ids.intersection(ids):
+                raise TokenizerError(f"tokenizer at {self.path!r} parsed special tokens inside response text "
+                                     f"(ids {sorted(parsed)[:5]})")
+        return out
 
     def completion_ids(self, messages: Sequence[Message], text: str, reasoning: str | None, stopped: bool) -> list[int]:
-        """Re-tokenize a cloud answer as the target's template places it, through end-of-turn.
+        """The ids the target would have emitted after the generation prompt for this answer.
 
-        The assistant turn is rendered by the chat template (so reasoning lands where the template
-        puts it); the body between the generation prompt and the template's closing end-of-turn is
-        encoded as text, and the end-of-turn id is appended when the generation stopped.
+        The end-of-turn id comes last when the generation stopped; an answer cut off while still
+        reasoning (no text) ends with the reasoning.
         """
-        ids = self.encode_text(self._completion_body(messages, text, reasoning))
-        if stopped:
-            ids.append(self.eot_id)
-        return ids
+        return self.completion_ids_batch([(messages, text, reasoning, stopped)])[0]
 
     def completion_ids_batch(
         self, answers: Sequence[tuple[Sequence[Message], str, str | None, bool]]
     ) -> list[list[int]]:
         """:meth:`completion_ids` of many ``(messages, text, reasoning, stopped)`` answers at once.
 
-        The same ids, but the bodies are encoded in one batch call, which the fast tokenizer runs on
-        every core and which takes the lock once (bench/retokenize.py measures the difference).
+        The same ids, but the text runs are encoded in one batch call, which the fast tokenizer runs
+        on every core and which takes the lock once (bench/retokenize.py measures the difference).
         """
-        if not answers:
-            return []
-        bodies = [self._completion_body(messages, text, reasoning) for messages, text, reasoning, _ in answers]
-        with self._lock:
-            encoded = self._tok(bodies, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        parts = [self._completion_parts(*answer) for answer in answers]
+        encoded = iter(self._encode_texts([p for ps in parts for p in ps if isinstance(p, str)]))
         out = []
-        for ids, (_, _, _, stopped) in zip(encoded, answers, strict=True):
-            ids = self._plain(list(ids))
+        for ps, (_, _, _, stopped) in zip(parts, answers, strict=True):
+            ids: list[int] = []
+            for p in ps:
+                ids.extend(next(encoded) if isinstance(p, str) else (p,))
             if stopped:
                 ids.append(self.eot_id)
             out.append(ids)
         return out
 
-    def _completion_body(self, messages: Sequence[Message], text: str, reasoning: str | None) -> str:
-        """The assistant turn's text as the chat template renders it, without its end-of-turn."""
-        body = text
-        prompt = self.prompt_text(messages)
-        turn = {"role": "assistant", "content": text}
-        if reasoning:
-            turn["reasoning_content"] = reasoning
-        with self._lock:
-            full = self._tok.apply_chat_template(self._dicts(messages) + [turn], tokenize=False)
-        end = full.rfind(self.eot_token)
-        if full.startswith(prompt) and end >= len(prompt):
-            body = full[len(prompt):end]
-        elif reasoning:
-            raise TokenizerError(
-                f"the chat template of {self.path!r} does not extend the generation prompt with the "
-                "assistant turn: cannot place the reasoning text"
+    def _completion_parts(self, messages: Sequence[Message], text: str, reasoning: str | None,
+                          stopped: bool) -> list[int | str]:
+        """The completion as the template's added-token ids and runs of text to encode as plain text.
+
+        Added tokens split text in every tokenizer, so encoding the runs between them one by one
+        gives the ids of the whole completion; the answer's own text never yields a special id.
+        """
+        skeleton, strips = self._skeleton(messages, bool(reasoning))
+        values = {_CONTENT: _strip(text, strips[_CONTENT]),
+                  _REASONING: _strip(reasoning or "", strips.get(_REASONING, (None, None)))}
+        pieces = _SLOTS.split(skeleton)
+        if not stopped and not text and reasoning and _REASONING in pieces:
+            pieces = pieces[: pieces.index(_REASONING) + 1]  # cut off while reasoning: nothing followed it
+        parts: list[int | str] = []
+        for n, piece in enumerate(pieces):
+            bits = [values[piece]] if n % 2 else (self._added_re.split(piece) if self._added_re else [piece])
+            for k, bit in enumerate(bits):
+                if k % 2:
+                    parts.append(self._added[bit])
+                elif bit and parts and isinstance(parts[-1], str):
+                    parts[-1] += bit
+                elif bit:
+                    parts.append(bit)
+        return parts
+
+    def _skeleton(self, messages: Sequence[Message], with_reasoning: bool) -> tuple[str, dict[str, tuple[Strip, Strip]]]:
+        """What the target writes after the generation prompt, with stand-ins for answer and reasoning.
+
+        The answer is rendered as the turn after the prompt's messages. Templates that blank the
+        reasoning of history turns (Kimi-K2.5: ``<think></think>``, its prompt ending in ``<think>``)
+        or drop it get it placed by the reasoning markers: inside an empty marker pair, else where
+        the turn leaves the generation prompt. Returns the text after the generation prompt up to
+        the end-of-turn token, and what the template strips of each stand-in's text.
+        """
+        history = self._dicts(messages)
+        base, prompt = self._render(history, False), self._render(history, True)
+        answers = []
+        for pad in ("", _PAD):
+            turn = {"role": "assistant", "content": pad + _CONTENT + pad}
+            if with_reasoning:
+                turn["reasoning_content"] = pad + _REASONING + pad
+            full = self._render([*history, turn], False)
+            if not (prompt.startswith(base) and full.startswith(base)):
+                raise TokenizerError(f"the chat template of {self.path!r} renders the prompt's messages differently "
+                                     "once an answer follows them: cannot tell where the answer starts")
+            answer = full[len(base):]
+            end = answer.rfind(self.eot_token)
+            if _CONTENT not in answer[:max(end, 0)]:
+                raise TemplateError(f"the chat template of {self.path!r} does not end an assistant turn with "
+                                     f"{self.eot_token!r} after its content: set [fleet].end_of_turn")
+            answers.append(answer[:end])
+        gen, (answer, padded) = prompt[len(base):], answers
+        strips = _strips(answer, padded)
+        if _REASONING not in answer and (with_reasoning or not answer.startswith(gen)):
+            answer = self._place_reasoning(answer, gen)
+        if not answer.startswith(gen):
+            raise TemplateError(
+                f"the chat template of {self.path!r} ends the generation prompt with {gen!r}, but renders an "
+                f"answer as {answer!r}: set [fleet].reasoning_markers to what the model writes around its reasoning"
             )
-        return body
+        return answer[len(gen):], strips
+
+    def _place_reasoning(self, answer: str, gen: str) -> str:
+        if self.reasoning_markers is None:
+            raise TemplateError(f"the chat template of {self.path!r} does not place reasoning and the tokenizer has "
+                                 "no <think> tokens: set [fleet].reasoning_markers")
+        open_, close = self.reasoning_markers
+        i = answer.find(open_ + close)
+        if i >= 0:  # an emptied reasoning block: the reasoning goes inside it
+            i += len(open_)
+            return answer[:i] + _REASONING + answer[i:]
+        i = len(os.path.commonprefix([answer, gen]))
+        return answer[:i] + open_ + _REASONING + close + answer[i:]
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         with self._lock:
             return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
     def roundtrip_mismatches(self, batch: Sequence[Sequence[int]]) -> int:
-        """How many id lists do not survive decode -> encode unchanged (special tokens as text).
+        """How many id lists do not survive decode -> encode unchanged.
 
-        Batched through the Rust tokenizer when there is one (all cores, one lock), else one by one.
+        Added tokens (``</think>``, the end-of-turn) stay ids, as a cloud record's markup does; the
+        text runs between them are decoded and encoded again as plain text. Batched through the Rust
+        tokenizer when there is one (all cores, one lock).
         """
+        added = set(self._added.values())
+        runs: list[list[int]] = []
+        owner: list[int] = []
+        for n, ids in enumerate(batch):
+            run: list[int] = []
+            for i in [*ids, None]:
+                if i is None or i in added:
+                    if run:
+                        runs.append(run)
+                        owner.append(n)
+                    run = []
+                else:
+                    run.append(i)
         backend = getattr(self._tok, "backend_tokenizer", None)
-        if backend is None:
-            bad = 0
-            for ids in batch:
-                try:
-                    bad += self.encode_text(self.decode(ids)) != list(ids)
-                except TokenizerError:
-                    bad += 1
-            return bad
         with self._lock:
-            texts = backend.decode_batch([list(ids) for ids in batch], skip_special_tokens=True)
-            saved = backend.encode_special_tokens
-            backend.encode_special_tokens = True
-            try:
-                again = backend.encode_batch(texts, add_special_tokens=False)
-            finally:
-                backend.encode_special_tokens = saved
-        return sum(enc.ids != list(ids) for enc, ids in zip(again, batch, strict=True))
+            if backend is not None:
+                texts = backend.decode_batch(runs, skip_special_tokens=False)
+            else:
+                texts = [self._tok.decode(r, skip_special_tokens=False) for r in runs]
+        again = self._encode_texts(texts) if texts else []
+        return len({owner[k] for k, (a, r) in enumerate(zip(again, runs, strict=True)) if a != r})

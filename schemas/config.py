@@ -38,9 +38,16 @@ class FleetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tokenizer_use_fast: bool = True
     tokenizer_trust_remote_code: bool = False
     end_of_turn: str | None = None
+    # What the model writes before and after its reasoning, where the chat template cannot tell
+    # (it drops reasoning from history turns); default "<think>", "</think>" when both are tokens.
+    reasoning_markers: tuple[str, str] | None = None
     redis_url: str | None = None
     visibility_timeout_s: int = 6 * 3600
     max_attempts: int = 6
+
+    def __post_init__(self) -> None:
+        if self.reasoning_markers is not None and not all(self.reasoning_markers):
+            raise ValueError("reasoning_markers must be two non-empty strings")
 
 
 class FieldMap(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

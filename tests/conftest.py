@@ -108,6 +108,22 @@ def target_tokenizer(tokenizer_dir):
     return TargetTokenizer(str(tokenizer_dir))
 
 
+@pytest.fixture(scope="session")
+def kimi_tokenizer_dir(tmp_path_factory) -> Path:
+    """Kimi-K2.5's shape: slow tiktoken remote code, <think> generation prompt (tests/tokenizer_fixtures.py)."""
+    from tests.tokenizer_fixtures import build_kimi_like
+
+    return build_kimi_like(tmp_path_factory.mktemp("kimi"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir(tmp_path_factory) -> Path:
+    """Qwen3's shape: fast ChatML, <think> blocks by Qwen3's rules (tests/tokenizer_fixtures.py)."""
+    from tests.tokenizer_fixtures import build_qwen3_like
+
+    return build_qwen3_like(tmp_path_factory.mktemp("qwen3"))
+
+
 @pytest.fixture
 def emulator_factory(tokenizer_dir):
     from draftfleet.emulator import Emulator, EmulatorConfig

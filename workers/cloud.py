@@ -21,7 +21,7 @@ from draftfleet.broker import redact
 from draftfleet.http import make_client
 from draftfleet.schemas.config import CloudBackend
 from draftfleet.schemas.records import PromptTask, Usage
-from draftfleet.tokenizer import TargetTokenizer, TokenizerError
+from draftfleet.tokenizer import TargetTokenizer, TemplateError, TokenizerError
 from draftfleet.workers.backends import Generation, Halt, Permanent, Transient, parse_retry_after
 
 _TRANSIENT_CODES = {408, 429, 500, 502, 503, 504, 520, 522, 524, 529}
@@ -132,6 +132,8 @@ class CloudChat:
         stopped = finish in ("stop", "eos", "end_turn")
         try:
             ids = self.tokenizer.completion_ids(task.messages, text, reasoning, stopped=stopped)
+        except TemplateError as exc:  # every answer would fail alike: a setting must change
+            raise Halt("chat_template", str(exc)) from None
         except TokenizerError as exc:
             raise Permanent("retokenize", str(exc)) from None
         usage = self._usage(out.get("usage") or {})
