@@ -292,7 +292,7 @@ class TargetTokenizer:
         history = self._dicts(messages)
         base, prompt = self._render(history, False), self._render(history, True)
         answers = []
-        for pad in ("", _PAD):
+        for pad in ("", _PAD):  # the answer bare, then padded to see what the template strips
             turn = {"role": "assistant", "content": pad + _CONTENT + pad}
             if with_reasoning:
                 turn["reasoning_content"] = pad + _REASONING + pad

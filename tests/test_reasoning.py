@@ -148,6 +148,16 @@ class TestQwen3Shape:
         think = truth.token_to_id("<think>")
         assert ids[0] == think and ids.count(think) == 1 + ("<think>" in reasoning + content)
 
+    def test_history_turns_follow_qwen3s_rules(self, qwen3, qwen3_tokenizer_dir):
+        """Earlier turns lose their reasoning in the prompt; the new answer still gets its think block."""
+        truth = _plain_truth(qwen3_tokenizer_dir)
+        msgs = [*USER, Message("assistant", "<think>\nold thought\n</think>\n\nan earlier answer"),
+                Message("user", "and now?")]
+        assert "old thought" not in qwen3.prompt_text(msgs)
+        assert "<|im_start|>assistant\nan earlier answer<|im_end|>" in qwen3.prompt_text(msgs)
+        ids = qwen3.completion_ids(msgs, "now this", "\nreason again\n", stopped=True)
+        assert ids == qwen3_model_ids(truth, "reason again", "now this")
+
     def test_no_reasoning_is_an_empty_think_block(self, qwen3, qwen3_tokenizer_dir):
         truth = _plain_truth(qwen3_tokenizer_dir)
         ids = qwen3.completion_ids(USER, "just the answer", None, stopped=True)

@@ -224,12 +224,11 @@ def build_kimi_like(folder: str | Path) -> Path:
     ranks = learn_ranks(corpus())
     (folder / "tiktoken.model").write_bytes(
         b"".join(base64.b64encode(tok) + b" " + str(rank).encode() + b"\n" for tok, rank in ranks.items()))
-    code = _REMOTE_CODE.replace("PAT_STR_VALUE", repr(PAT_STR)).replace("BYTE_CHARS_SOURCE", inspect.getsource(byte_chars)).replace("RESERVED", str(KIMI_RESERVED))
+    code = (_REMOTE_CODE.replace("PAT_STR_VALUE", repr(PAT_STR)).replace("RESERVED", str(KIMI_RESERVED))
+            .replace("BYTE_CHARS_SOURCE", inspect.getsource(byte_chars)))
     (folder / f"{KIMI_MODULE}.py").write_text(code)
-    base = len(ranks)
-    added = {str(base + off): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-                                "single_word": False, "special": True}
-             for tok, off in KIMI_SPECIALS.items()}
+    added = {str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": True} for tok, i in kimi_specials(len(ranks)).items()}
     config = {
         "tokenizer_class": KIMI_CLASS,
         "auto_map": {"AutoTokenizer": [f"{KIMI_MODULE}.{KIMI_CLASS}", None]},
@@ -252,8 +251,13 @@ def kimi_encoding(folder: str | Path):
     folder = Path(folder)
     ranks = {base64.b64decode(t): int(r) for t, r in
              (line.split() for line in (folder / "tiktoken.model").read_bytes().splitlines() if line)}
-    specials = {tok: len(ranks) + off for tok, off in KIMI_SPECIALS.items()}
-    return tiktoken.Encoding(name="truth", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+    return tiktoken.Encoding(name="truth", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=kimi_specials(len(ranks)))
+
+
+def kimi_specials(base: int) -> dict[str, int]:
+    """Every special token after ``base`` base tokens: the named ones and the reserved slots, as Kimi lists them."""
+    named = {base + off: tok for tok, off in KIMI_SPECIALS.items()}
+    return {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + KIMI_RESERVED)}
 
 
 def build_fast_chat(folder: str | Path, template: str, added: dict[str, bool], eos: str,
