@@ -187,7 +187,8 @@ class TargetTokenizer:
         for encode in ([fast] if backend is not None else []) + [split_special, allow_special_false]:
             try:
                 [ids] = encode([probe])
-                ok = not self.special_ids.intersection(ids) and tok.decode(ids, skip_special_tokens=False) == probe
+                decoded = tok.decode(ids, skip_special_tokens=False)  # the strings kept, not dropped or unknown
+                ok = not self.special_ids.intersection(ids) and all(t in decoded for t in specials)
             except Exception:  # a keyword the tokenizer does not know, or worse: this way does not work
                 ok = False
             if ok:

@@ -10,6 +10,7 @@ never from the code under test.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -21,7 +22,7 @@ from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
 from draftfleet.tokenizer import TargetTokenizer, TokenizerError
 from draftfleet.workers.backends import Halt
 from draftfleet.workers.cloud import CloudChat
-from tests.tokenizer_fixtures import KIMI_SPECIALS, KIMI_TEMPLATE, build_fast_chat, kimi_encoding
+from tests.tokenizer_fixtures import KIMI_MODULE, KIMI_SPECIALS, KIMI_TEMPLATE, build_fast_chat, kimi_encoding
 
 USER = [Message("system", "be brief"), Message("user", "sort a list in python")]
 
@@ -116,6 +117,15 @@ class TestKimiShape:
         assert ids == kimi_truth.encode_ordinary(text)
         assert not set(ids) & set(kimi_truth._special_tokens.values())
         assert kimi.decode(ids) == text
+
+    def test_a_tokenizer_with_no_plain_path_is_refused_at_load(self, kimi_tokenizer_dir, tmp_path):
+        """The plain path is found by trying, not assumed: one that always parses specials is refused."""
+        folder = tmp_path / "always-parses"
+        shutil.copytree(kimi_tokenizer_dir, folder)
+        code = folder / f"{KIMI_MODULE}.py"
+        code.write_text(code.read_text().replace("if allow_special_tokens:", "if True:"))
+        with pytest.raises(TokenizerError, match="parses special tokens inside any text"):
+            TargetTokenizer(str(folder), use_fast=False, trust_remote_code=True)
 
     def test_roundtrip_mismatches_on_the_slow_tokenizer(self, kimi, kimi_truth):
         sp = kimi_truth._special_tokens
