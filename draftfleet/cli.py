@@ -626,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path", help="a JSONL file: one prompt and its output (text and/or output_ids) per line")
     common(sp)
     sp.add_argument("--dataset", "-d", required=True, help="the dataset (of the config) the lines belong to")
-    sp.add_argument("--label", default="import", help="backend name recorded on imported records")
+    sp.add_argument("--label", default="import", help="backend for imported lines that name none (a raw export names its own)")
     sp.add_argument("--finish-rule", choices=("max-tokens", "end-of-turn"), default="max-tokens",  # importer.FINISH_RULES
                     help="for lines without finish_reason whose ids lack the end-of-turn id: max-tokens calls them "
                     "truncated only when at least max_tokens long (default); end-of-turn always calls them truncated")

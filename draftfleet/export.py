@@ -81,6 +81,10 @@ def _raw(rec: ResponseRecord) -> dict:
         "completion_tokens": rec.completion_tokens, "prompt_tokens": rec.prompt_tokens,
         "finish_reason": rec.finish_reason, "backend": rec.backend, "token_source": rec.token_source,
         "source": rec.source,
+        # provenance, so that ``draftfleet import`` of this file gives back the same records
+        "backend_kind": rec.backend_kind, "model": rec.model, "cost": rec.cost_usd, "cost_source": rec.cost_source,
+        "usage": msgspec.to_builtins(rec.usage), "latency_s": rec.latency_s, "attempts": rec.attempts,
+        "retry_reasons": rec.retry_reasons,
     }
 
 

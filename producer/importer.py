@@ -4,6 +4,8 @@ Each line holds a prompt (in any shape the reader accepts) and its output: text 
 ``output_ids``, and/or ``completion_tokens``. Records are keyed exactly as ``enqueue`` keys the
 same prompt under the dataset's settings, so a following ``enqueue`` resumes after them (the
 seed's "resume from prompt 1747"). Lines with ids are ``exact``; text-only lines are re-tokenized.
+What a line says of its provenance (``token_source`` beside ids, backend, backend_kind, model, cost,
+usage, the original ``source``) is kept, so a raw export imports back as the same records.
 A cut-off last line (the writer was killed mid-line) is reported and skipped; other bad lines go
 to the quarantine. Nothing already in the store is overwritten.
 
@@ -146,7 +148,7 @@ def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row
     theirs = _int_field(row, "completion_tokens")
     prompt_tokens = _int_field(row, "prompt_tokens") or (len(tok.prompt_ids(messages)) if tok else 0)
     cost = row.get("cost") if isinstance(row.get("cost"), (int, float)) else None
-    return ResponseRecord(
+    record = ResponseRecord(
         key=key, dataset=ds.name, source=source, settings_id=manifest.settings_id, messages=messages,
         system_prompt_used=any(m.role == "system" for m in messages), text=text, reasoning=reasoning,
         output_ids=ids, prompt_tokens=prompt_tokens, completion_tokens=len(ids) or (theirs or 0),
@@ -155,7 +157,33 @@ def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row
         token_source=source_kind, usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=theirs or 0, cost_usd=cost),
         cost_usd=float(cost or 0.0), cost_source="provider" if cost is not None else "none", latency_s=0.0,
         attempts=1, worker="import", created_at=time.time(),
-    ), decided
+    )
+    return msgspec.structs.replace(record, **_provenance(row, given_ids=source_kind == "exact")), decided
+
+
+def _provenance(row: dict[str, Any], given_ids: bool) -> dict[str, Any]:
+    """What a line says about where its response came from, kept as it is (a raw export writes it all).
+
+    ``token_source`` is kept only beside ids: a re-tokenized cloud record stays ``retokenized``,
+    while a text-only line is re-tokenized here whatever it claims. Invalid values are ignored.
+    """
+    out: dict[str, Any] = {}
+    for name, ok in (("backend", lambda v: isinstance(v, str) and v), ("source", lambda v: isinstance(v, str) and v),
+                     ("backend_kind", lambda v: v in ("gpu", "cloud")),
+                     ("cost_source", lambda v: v in ("provider", "price_table", "none")),
+                     ("latency_s", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0),
+                     ("attempts", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                     ("retry_reasons", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))):
+        if name in row and ok(row[name]):
+            out[name] = row[name]
+    if given_ids and row.get("token_source") in ("exact", "retokenized"):
+        out["token_source"] = row["token_source"]
+    if isinstance(row.get("usage"), dict):
+        try:
+            out["usage"] = msgspec.convert(row["usage"], Usage)
+        except msgspec.ValidationError as exc:
+            raise _Bad("usage", f"not a usage object: {exc}") from None
+    return out
 
 
 def import_file(path: str | Path, ds: DatasetConfig, manifest: DatasetManifest, store: Store,
