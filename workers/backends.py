@@ -9,6 +9,7 @@ the task queued (bad key, no credits: a person must act; nothing is burned into 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 import msgspec
@@ -49,11 +50,16 @@ class Permanent(Exception):
 
 
 class Halt(Exception):
-    """The backend cannot serve anything until a person acts (401 bad key, 402 out of credits)."""
+    """The backend cannot serve anything until a person acts (401 bad key, 402 out of credits).
 
-    def __init__(self, reason: str, detail: str = ""):
+    ``ready``, when given, tells cheaply whether the cause is gone (a key accepted again), so the
+    paused worker resumes at once instead of after its whole pause.
+    """
+
+    def __init__(self, reason: str, detail: str = "", ready: Callable[[], bool] | None = None):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.ready = ready
 
 
 class Backend(Protocol):

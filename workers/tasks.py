@@ -331,7 +331,7 @@ def _generate(rt: Runtime, task: PromptTask, reasons: list[str]) -> tuple[Genera
             rt.check_spend()
             return rt.backend.generate(task), attempt, time.monotonic() - t0
         except Halt as exc:
-            rt.pause(exc.reason, str(exc))
+            rt.pause(exc.reason, str(exc), ready=exc.ready)
             raise Reject(exc.reason, requeue=True) from None
         except Permanent as exc:
             _fail(rt, task, exc.reason, str(exc), attempt)
