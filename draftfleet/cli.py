@@ -32,7 +32,7 @@ def _config(args) -> FleetConfig:
 def _worker_flags(args) -> list[str]:
     """The flags of this worker command that each per-GPU child repeats (all but --gpu/--config)."""
     flags = []
-    for name in ("redis_url", "store", "inflight", "loglevel"):
+    for name in ("engine", "redis_url", "store", "inflight", "loglevel"):
         value = getattr(args, name)
         if value is not None:
             flags += ["--" + name.replace("_", "-"), str(value)]
@@ -117,11 +117,11 @@ def cmd_worker(args) -> int:
     if args.kind == "gpu" and args.gpu is not None:
         from draftfleet.workers.launcher import gpu_groups
 
-        if cfg.sglang is None or cfg.sglang.launch is None:
-            raise ConfigError(f"{cfg.path}: --gpu needs [backends.sglang.launch] (model_path, tp, port_base)")
-        tp = cfg.sglang.launch.tp
+        engine, settings = cfg.engine(args.engine)
+        if settings.launch is None:
+            raise ConfigError(f"{cfg.path}: --gpu needs [backends.{engine}.launch] (model_path, tp, port_base)")
         try:
-            groups = gpu_groups(args.gpu, tp)
+            groups = gpu_groups(args.gpu, settings.launch.tp)
         except ValueError as exc:
             raise ConfigError(f"--gpu: {exc}") from None
         if len(groups) > 1:
@@ -130,7 +130,7 @@ def cmd_worker(args) -> int:
             return run_gpu_workers(cfg.path, groups, _worker_flags(args))
         gpus = groups[0]
     run_worker(
-        cfg, args.kind, backend_name=args.backend, url=args.url, gpus=gpus,
+        cfg, args.kind, backend_name=args.backend, engine=args.engine, url=args.url, gpus=gpus,
         slots=args.inflight or args.concurrency, datasets=args.dataset, redis_url=args.redis_url,
         name=args.name, loglevel=args.loglevel,
     )
@@ -519,14 +519,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_enqueue)
 
-    sp = sub.add_parser("worker", help="run a worker: gpu (one per SGLang server) or cloud")
+    sp = sub.add_parser("worker", help="run a worker: gpu (one per SGLang or vLLM server) or cloud")
     sp.add_argument("kind", choices=["gpu", "cloud", "reconciler"],
-                    help="gpu: one per SGLang server; cloud: an OpenAI-compatible API; reconciler: counters vs the store")
+                    help="gpu: one per SGLang or vLLM server; cloud: an OpenAI-compatible API; "
+                    "reconciler: counters vs the store")
     common(sp)
-    sp.add_argument("--url", help="gpu: URL of a running SGLang server")
-    sp.add_argument("--gpu", help="gpu: launch SGLang on these GPUs: 0; 0,1 for one TP group of tp=2; "
-                    "0-7 or all for one worker and server per group of [backends.sglang.launch].tp GPUs")
-    sp.add_argument("--inflight", type=int, help="gpu: requests kept in flight (default [backends.sglang].inflight)")
+    sp.add_argument("--engine", choices=["sglang", "vllm"],
+                    help="gpu: the engine (default: the one of [backends.sglang] / [backends.vllm] configured)")
+    sp.add_argument("--url", help="gpu: URL of a running SGLang or vLLM server")
+    sp.add_argument("--gpu", help="gpu: launch the engine on these GPUs: 0; 0,1 for one TP group of tp=2; "
+                    "0-7 or all for one worker and server per group of [backends.ENGINE.launch].tp GPUs")
+    sp.add_argument("--inflight", type=int, help="gpu: requests kept in flight (default [backends.ENGINE].inflight)")
     sp.add_argument("--backend", help="cloud: the [backends.NAME] table to use (default: the only cloud backend)")
     sp.add_argument("--concurrency", type=int, help="cloud: requests in flight (default the backend's concurrency)")
     sp.add_argument("--dataset", "-d", action="append", help="consume only this dataset's queue (repeatable)")

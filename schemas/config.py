@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -88,9 +88,18 @@ class DatasetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return "parquet" if self.path.endswith((".parquet", ".pq")) else "jsonl"
 
 
-class SGLangLaunch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """How ``draftfleet worker gpu --gpu N`` launches its own SGLang server."""
+Engine = Literal["sglang", "vllm"]
+ENGINE_LABELS: dict[Engine, str] = {"sglang": "SGLang", "vllm": "vLLM"}
 
+
+class EngineLaunch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How ``draftfleet worker gpu --gpu N`` launches its own engine server: one per GPU group
+    of ``tp`` GPUs (SGLang's ``--tp-size``, vLLM's ``--tensor-parallel-size``), on port
+    ``port_base`` + the group's first GPU index. ``python`` is the engine's interpreter (SGLang
+    runs ``python -m sglang.launch_server``; vLLM the ``vllm`` script beside it), default this one's.
+    """
+
+    engine: ClassVar[Engine]
     model_path: str
     tp: int = 1
     port_base: int = 30000
@@ -100,12 +109,36 @@ class SGLangLaunch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     startup_timeout_s: float = 1800.0
 
 
-class SGLangBackend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SGLangLaunch(EngineLaunch, kw_only=True):
+    engine: ClassVar[Engine] = "sglang"
+
+
+class VLLMLaunch(EngineLaunch, kw_only=True):
+    engine: ClassVar[Engine] = "vllm"
+    port_base: int = 8000
+
+
+class EngineBackend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A GPU engine server (SGLang or vLLM): attached by ``urls`` or launched per GPU by ``launch``.
+
+    ``api_key_env`` names the environment variable holding the server's ``--api-key`` (sent as
+    a bearer token), never the key itself.
+    """
+
     urls: list[str] = []
-    launch: SGLangLaunch | None = None
+    launch: EngineLaunch | None = None
     inflight: int = 128
     request_timeout_s: float = 1800.0
     connect_timeout_s: float = 10.0
+    api_key_env: str | None = None
+
+
+class SGLangBackend(EngineBackend, kw_only=True):
+    launch: SGLangLaunch | None = None
+
+
+class VLLMBackend(EngineBackend, kw_only=True):
+    launch: VLLMLaunch | None = None
 
 
 class CloudBackend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -129,6 +162,7 @@ class FleetConfig(msgspec.Struct, kw_only=True):
     fleet: FleetSection
     datasets: list[DatasetConfig]
     sglang: SGLangBackend | None
+    vllm: VLLMBackend | None = None
     clouds: dict[str, CloudBackend]
     path: str
 
@@ -144,11 +178,24 @@ class FleetConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(f"{self.path}: no cloud backend [backends.{name}] (have: {have})")
         return self.clouds[name]
 
+    def engine(self, name: Engine | None = None) -> tuple[Engine, EngineBackend]:
+        """The GPU engine a worker uses: ``name`` (``--engine``), else the only one configured."""
+        configured: dict[Engine, EngineBackend] = {n: b for n, b in (("sglang", self.sglang), ("vllm", self.vllm)) if b}
+        if name is not None:
+            if name not in configured:
+                raise ConfigError(f"{self.path}: --engine {name}: no [backends.{name}] table")
+            return name, configured[name]
+        if not configured:
+            raise ConfigError(f"{self.path}: a gpu worker needs a [backends.sglang] or [backends.vllm] table")
+        if len(configured) > 1:
+            raise ConfigError(f"{self.path}: both [backends.sglang] and [backends.vllm] are configured: "
+                              "choose one with --engine sglang or --engine vllm")
+        return next(iter(configured.items()))
+
     def longest_task_s(self) -> float:
         """Worst case a task holds its message: every attempt timing out, plus the longest wait."""
         timeouts = [c.request_timeout_s + c.connect_timeout_s for c in self.clouds.values()]
-        if self.sglang:
-            timeouts.append(self.sglang.request_timeout_s + self.sglang.connect_timeout_s)
+        timeouts += [e.request_timeout_s + e.connect_timeout_s for e in (self.sglang, self.vllm) if e]
         per_attempt = max(timeouts, default=0.0)
         return self.fleet.max_attempts * (per_attempt + MAX_RETRY_WAIT_S)
 
@@ -168,6 +215,29 @@ def _convert(obj: object, typ: type, where: str, path: str):
 def _resolve(base: Path, p: str) -> str:
     q = Path(p).expanduser()
     return str(q if q.is_absolute() else (base / q).resolve())
+
+
+ENGINE_TABLES: dict[str, type[EngineBackend]] = {"sglang": SGLangBackend, "vllm": VLLMBackend}
+
+
+def _engine_backend(backends: dict, name: str, typ: type[EngineBackend], path: str) -> EngineBackend | None:
+    """``[backends.sglang]`` / ``[backends.vllm]``, checked; None when the table is absent."""
+    if name not in backends:
+        return None
+    where = f"{path}: backends.{name}"
+    eb = _convert(backends[name], typ, f"backends.{name}", path)
+    if eb.inflight < 1:
+        raise ConfigError(f"{where}.inflight: must be at least 1")
+    if eb.api_key_env is not None and not ENV_NAME_RE.match(eb.api_key_env):
+        raise ConfigError(f"{where}.api_key_env: must be the NAME of an environment variable, never the key itself")
+    if eb.launch is not None:
+        if eb.launch.tp < 1:
+            raise ConfigError(f"{where}.launch.tp: must be at least 1")
+        if not 0 < eb.launch.port_base < 65536:
+            raise ConfigError(f"{where}.launch.port_base: must be a TCP port (1-65535)")
+        if not eb.launch.model_path:
+            raise ConfigError(f"{where}.launch.model_path: must not be empty")
+    return eb
 
 
 def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
@@ -206,12 +276,10 @@ def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
     backends = data.get("backends", {})
     if not isinstance(backends, dict):
         raise ConfigError(f"{path}: backends: expected a table")
-    sglang = _convert(backends["sglang"], SGLangBackend, "backends.sglang", path) if "sglang" in backends else None
-    if sglang and sglang.inflight < 1:
-        raise ConfigError(f"{path}: backends.sglang.inflight: must be at least 1")
+    engines = {name: _engine_backend(backends, name, typ, path) for name, typ in ENGINE_TABLES.items()}
     clouds: dict[str, CloudBackend] = {}
     for name, raw in backends.items():
-        if name == "sglang":
+        if name in ENGINE_TABLES:
             continue
         if not NAME_RE.match(name):
             raise ConfigError(f"{path}: backends.{name}: not a safe backend name")
@@ -225,7 +293,8 @@ def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
         if cb.concurrency < 1:
             raise ConfigError(f"{path}: backends.{name}.concurrency: must be at least 1")
         clouds[name] = cb
-    cfg = FleetConfig(fleet=fleet, datasets=datasets, sglang=sglang, clouds=clouds, path=str(Path(path)))
+    cfg = FleetConfig(fleet=fleet, datasets=datasets, sglang=engines["sglang"], vllm=engines["vllm"], clouds=clouds,
+                      path=str(Path(path)))
     if cfg.longest_task_s() >= fleet.visibility_timeout_s:
         raise ConfigError(
             f"{path}: fleet.visibility_timeout_s: {fleet.visibility_timeout_s}s is shorter than the longest "

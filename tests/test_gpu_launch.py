@@ -31,11 +31,11 @@ FAKE_LAUNCH = textwrap.dedent(
     from draftfleet.emulator import EmulatorConfig, serve
 
     p = argparse.ArgumentParser()
-    for flag in ("--model-path", "--host", "--port", "--tp"):
+    for flag in ("--model-path", "--host", "--port", "--tp-size"):
         p.add_argument(flag, required=True)
     args, _ = p.parse_known_args()
     with open(os.path.join(os.environ["FAKE_SGLANG_DIR"], f"gpu{os.environ['CUDA_VISIBLE_DEVICES']}.json"), "w") as f:
-        json.dump({"cuda": os.environ["CUDA_VISIBLE_DEVICES"], "port": args.port, "tp": args.tp}, f)
+        json.dump({"cuda": os.environ["CUDA_VISIBLE_DEVICES"], "port": args.port, "tp": args.tp_size}, f)
     serve(EmulatorConfig(tokenizer=os.environ["FAKE_TOKENIZER"], model=args.model_path, single_stream_tps=2000,
                          ceiling_tps=100000, length="uniform:5:40", ttft_s=0.0), args.host, int(args.port))
     """

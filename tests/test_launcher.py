@@ -1,8 +1,10 @@
-"""SGLangServer against a fake ``sglang.launch_server`` (stdlib HTTP, no GPU), plus gpu_groups.
+"""EngineServer against fake engines (stdlib HTTP, no GPU), plus gpu_groups.
 
-The fake records its argv, CUDA_VISIBLE_DEVICES and pids in ``$FAKE_SGLANG_DIR/<pid>.json``,
-and starts a helper child in its process group, as SGLang starts its scheduler processes, so
-the tests can check that a stop or a restart takes the whole group down.
+One fake plays both ``python -m sglang.launch_server`` and the ``vllm serve`` script. It records
+its argv, CUDA_VISIBLE_DEVICES and pids in ``$FAKE_SGLANG_DIR/<pid>.json`` and the paths it was
+probed on in ``<pid>.paths``, and starts a helper child in its process group, as the engines start
+their scheduler / engine-core processes, so the tests can check that a stop or a restart takes
+the whole group down.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from draftfleet.schemas.config import SGLangLaunch
-from draftfleet.workers.launcher import LaunchError, SGLangServer, gpu_groups, port_for
+from draftfleet.schemas.config import SGLangLaunch, VLLMLaunch
+from draftfleet.workers.launcher import EngineServer, LaunchError, gpu_groups, port_for
 
 FAKE_SERVER = textwrap.dedent(
     """
@@ -28,9 +30,14 @@ FAKE_SERVER = textwrap.dedent(
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     parser = argparse.ArgumentParser()
-    for flag in ("--model-path", "--host", "--port", "--tp"):
+    vllm = sys.argv[1:2] == ["serve"]
+    if vllm:  # vllm serve MODEL --host H --port P --tensor-parallel-size N
+        parser.add_argument("command", choices=["serve"])
+        parser.add_argument("model_path")
+    for flag in ("--host", "--port", "--tensor-parallel-size") if vllm else ("--model-path", "--host", "--port", "--tp-size"):
         parser.add_argument(flag, required=True)
     args, _ = parser.parse_known_args()
+    slow_file = os.environ.get("FAKE_HEALTH_DELAY_FILE")  # holds the seconds each probe takes
     delay = float(os.environ.get("FAKE_SGLANG_STARTUP_DELAY", "0"))
     exit_after = os.environ.get("FAKE_SGLANG_EXIT_AFTER")
     crash_file = os.environ.get("FAKE_SGLANG_CRASH_FILE")
@@ -59,7 +66,12 @@ FAKE_SERVER = textwrap.dedent(
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            known = {"/health"} if os.environ.get("FAKE_SGLANG_NO_HEALTH_GENERATE") else {"/health", "/health_generate"}
+            with open(os.path.join(os.environ["FAKE_SGLANG_DIR"], f"{os.getpid()}.paths"), "a") as f:
+                f.write(self.path + "\\n")
+            if slow_file and os.path.exists(slow_file):
+                time.sleep(float(open(slow_file).read()))
+            no_generate = vllm or os.environ.get("FAKE_SGLANG_NO_HEALTH_GENERATE")
+            known = {"/health"} if no_generate else {"/health", "/health_generate"}
             code = 404 if self.path not in known else 200 if time.monotonic() >= ready_at else 503
             self.send_response(code)
             self.send_header("Content-Length", "0")
@@ -68,7 +80,7 @@ FAKE_SERVER = textwrap.dedent(
         def log_message(self, *a):
             pass
 
-    print(f"fake sglang serving {args.model_path} on {args.host}:{args.port}", flush=True)
+    print(f"fake {'vllm' if vllm else 'sglang'} serving {args.model_path} on {args.host}:{args.port}", flush=True)
     ThreadingHTTPServer((args.host, int(args.port)), Handler).serve_forever()
     """
 )
@@ -76,11 +88,17 @@ FAKE_SERVER = textwrap.dedent(
 
 @pytest.fixture
 def fake(tmp_path: Path) -> dict[str, str]:
-    """Env overrides that make ``-m sglang.launch_server`` run the fake."""
+    """Env overrides that make ``-m sglang.launch_server`` run the fake; ``tmp_path/bin`` holds a
+    ``python`` and the fake's ``vllm`` script beside it, as a vLLM venv does."""
     pkg = tmp_path / "site" / "sglang"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "launch_server.py").write_text(FAKE_SERVER)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "vllm").write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    (bin_dir / "vllm").chmod(0o755)
     runs = tmp_path / "runs"
     runs.mkdir()
     return {"PYTHONPATH": str(tmp_path / "site"), "FAKE_SGLANG_DIR": str(runs)}
@@ -113,13 +131,15 @@ def wait_until(cond, timeout: float = 10.0) -> None:
 
 
 def make(env: dict[str, str], tmp_path: Path, gpus: list[int] = [0], *, startup_timeout_s: float = 10.0,
-         extra_args: list[str] = [], **kw) -> SGLangServer:  # fmt: skip
-    launch = SGLangLaunch(
-        model_path="/models/tiny", tp=len(gpus), extra_args=extra_args, startup_timeout_s=startup_timeout_s
-    )
+         extra_args: list[str] = [], engine: str = "sglang", **kw) -> EngineServer:  # fmt: skip
+    fields = dict(model_path="/models/tiny", tp=len(gpus), extra_args=extra_args, startup_timeout_s=startup_timeout_s)
+    if engine == "vllm":
+        launch = VLLMLaunch(python=str(tmp_path / "bin" / "python"), **fields)
+    else:
+        launch = SGLangLaunch(**fields)
     kw.setdefault("health_interval_s", 0.1)
     kw.setdefault("restart_backoff_s", 0.05)
-    return SGLangServer(launch, gpus, port=free_port(), log_path=tmp_path / "sglang.log", env=env, **kw)
+    return EngineServer(launch, gpus, port=free_port(), log_path=tmp_path / "sglang.log", env=env, **kw)
 
 
 def test_start_waits_for_health_and_passes_command_and_gpus(fake, tmp_path, caplog):
@@ -138,7 +158,7 @@ def test_start_waits_for_health_and_passes_command_and_gpus(fake, tmp_path, capl
     assert server.url == f"http://127.0.0.1:{server.port}"
     assert info["cuda"] == "2,3"
     assert info["argv"] == [
-        "--model-path", "/models/tiny", "--host", "127.0.0.1", "--port", str(server.port), "--tp", "2",
+        "--model-path", "/models/tiny", "--host", "127.0.0.1", "--port", str(server.port), "--tp-size", "2",
         "--mem-fraction-static", "0.8", "--api-key", "sk-hush",
     ]  # fmt: skip
     assert "sk-hush" not in caplog.text and "--api-key ***" in caplog.text
@@ -149,6 +169,67 @@ def test_start_waits_for_health_and_passes_command_and_gpus(fake, tmp_path, capl
 def test_falls_back_to_health_when_health_generate_is_missing(fake, tmp_path):
     with make({**fake, "FAKE_SGLANG_NO_HEALTH_GENERATE": "1"}, tmp_path) as server:
         assert server.healthy()
+
+
+def test_vllm_serve_runs_the_script_beside_the_configured_python(fake, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="draftfleet.launcher")
+    server = make(fake, tmp_path, [4, 5], engine="vllm", extra_args=["--max-model-len", "2048", "--api-key", "sk-hush"])
+    assert server.command[0] == str(tmp_path / "bin" / "vllm")
+    with server:
+        assert server.healthy()
+        info = run_info(fake, server.pid)
+    assert info["argv"] == [
+        "serve", "/models/tiny", "--host", "127.0.0.1", "--port", str(server.port), "--tensor-parallel-size", "2",
+        "--max-model-len", "2048", "--api-key", "sk-hush",
+    ]  # fmt: skip
+    assert info["cuda"] == "4,5"
+    # vLLM has no /health_generate: its cheap /health is probed from the start
+    assert set(Path(fake["FAKE_SGLANG_DIR"], f"{info['pid']}.paths").read_text().split()) == {"/health"}
+    assert "fake vllm serving /models/tiny" in (tmp_path / "sglang.log").read_text()
+    assert "started vLLM server on GPU(s) [4, 5]" in caplog.text and "sk-hush" not in caplog.text
+    assert not alive(info["pid"]) and not alive(info["helper"])
+
+
+def test_vllm_not_installed_is_a_clear_error(tmp_path):
+    launch = VLLMLaunch(model_path="m", python=str(tmp_path / "no-venv" / "bin" / "python"), startup_timeout_s=5)
+    server = EngineServer(launch, [0], port=free_port(), log_path=tmp_path / "vllm.log")
+    with pytest.raises(LaunchError, match=r"cannot start the vLLM server \(.*no-venv/bin/vllm serve m .*\): No such file"):
+        server.start()
+    assert server.pid is None
+
+
+def test_each_engine_is_probed_on_its_own_terms():
+    sglang = EngineServer(SGLangLaunch(model_path="m"), [3])
+    vllm = EngineServer(VLLMLaunch(model_path="m"), [3])
+    # SGLang's health check generates a token and takes up to 20 s under load (FORMATS.md), and a
+    # restart of a large model costs 10-30 min: a slow answer is not a dead server.
+    assert sglang.health_timeout_s >= 25 and sglang.unhealthy_after > vllm.unhealthy_after
+    assert sglang.health_timeout_s * sglang.unhealthy_after >= 120
+    assert (sglang.port, vllm.port) == (30003, 8003)
+    assert sglang.log_path.name.startswith("sglang-gpu3") and vllm.log_path.name.startswith("vllm-gpu3")
+
+
+def test_slow_probes_within_the_timeout_are_not_failures(fake, tmp_path):
+    slow = tmp_path / "slow"
+    with make({**fake, "FAKE_HEALTH_DELAY_FILE": str(slow)}, tmp_path, health_timeout_s=2.0, unhealthy_after=2) as server:
+        pid = server.pid
+        slow.write_text("0.8")
+        time.sleep(3.0)
+        assert server.restarts == 0 and server.pid == pid
+
+
+def test_probes_slower_than_the_timeout_restart_after_unhealthy_after(fake, tmp_path, caplog):
+    slow = tmp_path / "slow"
+    restarted: list[int] = []
+    with make({**fake, "FAKE_HEALTH_DELAY_FILE": str(slow)}, tmp_path, health_timeout_s=0.5, unhealthy_after=2) as server:
+        server.on_restart = restarted.append
+        first = server.pid
+        slow.write_text("2")
+        wait_until(lambda: not alive(first))
+        slow.unlink()
+        wait_until(lambda: restarted == [1])
+        assert server.pid != first and server.healthy()
+    assert f"(pid {first}) failed 2 health checks in a row; restart 1/10" in caplog.text
 
 
 def test_exit_during_startup_raises_with_log_tail(fake, tmp_path):
@@ -171,7 +252,7 @@ def test_never_healthy_times_out_and_is_stopped(fake, tmp_path):
         server.start()
     assert 1.0 <= time.monotonic() - t0 < 8.0
     assert "fake sglang serving" in str(err.value)
-    (info,) = [json.loads(p.read_text()) for p in Path(fake["FAKE_SGLANG_DIR"]).iterdir()]
+    (info,) = [json.loads(p.read_text()) for p in Path(fake["FAKE_SGLANG_DIR"]).glob("*.json")]
     assert not alive(info["pid"]) and not alive(info["helper"])
 
 
@@ -184,11 +265,12 @@ def test_port_in_use_is_a_clear_error(fake, tmp_path):
             server.start()
 
 
-def test_supervisor_restarts_a_crashed_server(fake, tmp_path, caplog):
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_supervisor_restarts_a_crashed_server(fake, tmp_path, caplog, engine):
     caplog.set_level(logging.INFO, logger="draftfleet.launcher")
     crash = tmp_path / "crash-now"
     restarted: list[int] = []
-    with make({**fake, "FAKE_SGLANG_CRASH_FILE": str(crash)}, tmp_path) as server:
+    with make({**fake, "FAKE_SGLANG_CRASH_FILE": str(crash)}, tmp_path, engine=engine) as server:
         server.on_restart = restarted.append
         first = run_info(fake, server.pid)
         crash.touch()
@@ -228,10 +310,10 @@ def test_stop_kills_the_process_group_and_is_idempotent(fake, tmp_path):
 def test_constructor_rejects_mismatched_group(tmp_path):
     launch = SGLangLaunch(model_path="m", tp=2)
     with pytest.raises(ValueError, match="tp=2"):
-        SGLangServer(launch, [0])
+        EngineServer(launch, [0])
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
-        SGLangServer(launch, [0, 1], env={"CUDA_VISIBLE_DEVICES": "5"})
-    server = SGLangServer(launch, [4, 5])
+        EngineServer(launch, [0, 1], env={"CUDA_VISIBLE_DEVICES": "5"})
+    server = EngineServer(launch, [4, 5])
     assert server.port == port_for(launch, [4, 5]) == 30004
     assert server.url == "http://127.0.0.1:30004"
 
@@ -316,7 +398,7 @@ def test_real_sglang_server_on_gpu0(tmp_path):
     if reason:
         pytest.skip(reason)
     launch = SGLangLaunch(model_path=os.environ["DRAFTFLEET_TEST_MODEL"], python=sys.executable, startup_timeout_s=900)
-    with SGLangServer(launch, [0], port=free_port(), log_path=tmp_path / "sglang.log") as server:
+    with EngineServer(launch, [0], port=free_port(), log_path=tmp_path / "sglang.log") as server:
         pid = server.pid
         assert pid is not None and server.healthy()
     assert not alive(pid)

@@ -1,15 +1,16 @@
-"""Launch and supervise a local SGLang server for one GPU worker.
+"""Launch and supervise a local engine server (SGLang or vLLM) for one GPU worker.
 
 ``draftfleet worker gpu --gpu 0`` (or ``--gpu 0,1`` for a tensor-parallel group) runs its own
-``python -m sglang.launch_server`` instead of attaching to a ``--url``. The server runs in its
-own session (process group) so that a stop or a restart reaches SGLang's scheduler and
-detokenizer subprocesses too, which otherwise keep holding GPU memory. Its output is appended to
-a log file; errors quote that file's last lines. Environment values are never logged, and the
-values of secret-looking flags (``--api-key`` ...) are masked in logs and errors.
+``python -m sglang.launch_server`` or ``vllm serve`` instead of attaching to a ``--url``. The
+server runs in its own session (process group) so that a stop or a restart reaches the engine's
+worker subprocesses too (SGLang's scheduler and detokenizer, vLLM's engine core), which otherwise
+keep holding GPU memory. Its output is appended to a log file; errors quote that file's last
+lines. Environment values are never logged, and the values of secret-looking flags
+(``--api-key`` ...) are masked in logs and errors.
 
 GPU indices are physical, as ``nvidia-smi`` numbers them: the child gets
 ``CUDA_VISIBLE_DEVICES`` set to its group (and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` unless the
-environment sets an order). Linux only, like SGLang itself.
+environment sets an order). Linux only, like the engines themselves.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,10 +30,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 import httpx
 
-from draftfleet.schemas.config import SGLangLaunch
+from draftfleet.schemas.config import ENGINE_LABELS, Engine, EngineLaunch
 
 log = logging.getLogger("draftfleet.launcher")
 
@@ -42,12 +45,30 @@ MAX_BACKOFF_S = 60.0
 _SECRET_FLAG = re.compile(r"(?:^|[-_])(?:key|token|secret|password)$", re.IGNORECASE)
 
 
+class EngineSpec(NamedTuple):
+    """How one engine is probed; the supervision defaults follow what its health check costs."""
+
+    health_path: str  # probed first; a 404 falls back to /health
+    health_timeout_s: float
+    health_interval_s: float
+    unhealthy_after: int  # failed probes in a row before a restart
+
+
+ENGINES: dict[Engine, EngineSpec] = {
+    # SGLang's /health(_generate) runs a one-token generation and waits up to 20 s under load
+    # (FORMATS.md); a restart of a large model costs 10-30 minutes, so be slow to give up on it.
+    "sglang": EngineSpec("/health_generate", health_timeout_s=30.0, health_interval_s=10.0, unhealthy_after=6),
+    # vLLM's /health only asks the engine core whether it is alive: quick and cheap.
+    "vllm": EngineSpec("/health", health_timeout_s=10.0, health_interval_s=5.0, unhealthy_after=3),
+}
+
+
 class LaunchError(RuntimeError):
-    """The SGLang server could not be started (or restarted); the message names its log file."""
+    """The engine server could not be started (or restarted); the message names its log file."""
 
 
 def gpu_groups(spec: str, tp: int) -> list[list[int]]:
-    """Split a GPU spec into consecutive groups of ``tp`` GPUs, one SGLang server each.
+    """Split a GPU spec into consecutive groups of ``tp`` GPUs, one engine server each.
 
     ``spec`` is a list of indices and inclusive ranges (``"0,1,2,3"``, ``"0-7"``, ``"0-3,6,7"``)
     or ``"all"``: the indices in ``CUDA_VISIBLE_DEVICES`` when it is set, else every GPU that
@@ -64,7 +85,7 @@ def gpu_groups(spec: str, tp: int) -> list[list[int]]:
     return [gpus[i : i + tp] for i in range(0, len(gpus), tp)]
 
 
-def port_for(launch: SGLangLaunch, group: list[int]) -> int:
+def port_for(launch: EngineLaunch, group: list[int]) -> int:
     """``port_base`` + the group's first GPU index: distinct and stable for every server on a host."""
     return launch.port_base + group[0]
 
@@ -159,9 +180,17 @@ def _killpg(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-class SGLangServer:
-    """Launches ``python -m sglang.launch_server`` for one GPU (or TP group), waits until healthy,
-    restarts it if it dies, stops it on shutdown.
+def vllm_executable(python: str | None) -> str:
+    """The ``vllm`` script beside the configured interpreter, else beside this one, else on PATH."""
+    if python:
+        return str(Path(python).parent / "vllm")
+    mine = Path(sys.executable).parent / "vllm"
+    return str(mine) if mine.exists() else shutil.which("vllm") or "vllm"
+
+
+class EngineServer:
+    """Launches the engine server for one GPU (or TP group), waits until healthy, restarts it if
+    it dies, stops it on shutdown. Which engine: ``launch.engine`` (the config table it came from).
 
     Use as a context manager (start, wait until healthy, supervise; stop on exit) or call
     ``start``/``supervise``/``stop``. The supervisor checks every ``health_interval_s``; a server
@@ -170,24 +199,27 @@ class SGLangServer:
     60 s per failed attempt), at most ``max_restarts`` times over the object's life. After each
     restart that became healthy it calls ``on_restart(restarts)``; when it gives up it calls
     ``on_give_up(reason)`` and leaves the server stopped. Callbacks run on the supervisor thread.
+    Probe interval, timeout and patience default to the engine's (``ENGINES``).
     """
 
     def __init__(
         self,
-        launch: SGLangLaunch,
+        launch: EngineLaunch,
         gpus: list[int],
         *,
         port: int | None = None,
         log_path: Path | None = None,
-        health_interval_s: float = 5.0,
+        health_interval_s: float | None = None,
         max_restarts: int = 10,
         env: dict[str, str] | None = None,
-        unhealthy_after: int = 3,
-        health_timeout_s: float = 10.0,
+        unhealthy_after: int | None = None,
+        health_timeout_s: float | None = None,
         restart_backoff_s: float = 1.0,
     ) -> None:
+        spec = ENGINES[launch.engine]
+        self.label = ENGINE_LABELS[launch.engine]
         if not gpus:
-            raise ValueError("an SGLang server needs at least one GPU")
+            raise ValueError(f"a {self.label} server needs at least one GPU")
         if len(gpus) != launch.tp:
             raise ValueError(f"GPU group {gpus} has {len(gpus)} GPU(s) but the launch config says tp={launch.tp}")
         if env and "CUDA_VISIBLE_DEVICES" in env:
@@ -198,18 +230,18 @@ class SGLangServer:
         host = _client_host(launch.host)
         self.url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
         gpu_tag = "_".join(map(str, self.gpus))
-        self.log_path = log_path or Path(tempfile.gettempdir()) / "draftfleet" / f"sglang-gpu{gpu_tag}-port{self.port}.log"
-        self.health_interval_s = health_interval_s
+        self.log_path = log_path or Path(tempfile.gettempdir()) / "draftfleet" / f"{launch.engine}-gpu{gpu_tag}-port{self.port}.log"
+        self.health_interval_s = spec.health_interval_s if health_interval_s is None else health_interval_s
         self.max_restarts = max_restarts
-        self.unhealthy_after = unhealthy_after
+        self.unhealthy_after = spec.unhealthy_after if unhealthy_after is None else unhealthy_after
         self.restart_backoff_s = restart_backoff_s
         self.restarts = 0
         self.on_restart: Callable[[int], None] | None = None
         self.on_give_up: Callable[[str], None] | None = None
         self._env = dict(env or {})
         self._secrets = _secret_values(launch.extra_args)
-        self._health_path = "/health_generate"
-        self._health_timeout_s = health_timeout_s
+        self._health_path = spec.health_path
+        self.health_timeout_s = spec.health_timeout_s if health_timeout_s is None else health_timeout_s
         self._http: httpx.Client | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -218,20 +250,19 @@ class SGLangServer:
         self._supervisor: threading.Thread | None = None
 
     def __repr__(self) -> str:
-        return f"<SGLangServer gpus={self.gpus} url={self.url} pid={self.pid}>"
+        return f"<EngineServer {self.launch.engine} gpus={self.gpus} url={self.url} pid={self.pid}>"
 
     @property
     def command(self) -> list[str]:
-        """The command line that starts the server."""
+        """The command line that starts the server (``--tp-size``: ``--tp`` only works in SGLang
+        through argparse's prefix matching)."""
         launch = self.launch
-        return [
-            launch.python or sys.executable, "-m", "sglang.launch_server",
-            "--model-path", launch.model_path,
-            "--host", launch.host,
-            "--port", str(self.port),
-            "--tp", str(launch.tp),
-            *launch.extra_args,
-        ]  # fmt: skip
+        where = ["--host", launch.host, "--port", str(self.port)]
+        if launch.engine == "vllm":
+            return [vllm_executable(launch.python), "serve", launch.model_path, *where,
+                    "--tensor-parallel-size", str(launch.tp), *launch.extra_args]  # fmt: skip
+        return [launch.python or sys.executable, "-m", "sglang.launch_server", "--model-path", launch.model_path,
+                *where, "--tp-size", str(launch.tp), *launch.extra_args]  # fmt: skip
 
     @property
     def pid(self) -> int | None:
@@ -249,7 +280,7 @@ class SGLangServer:
             raise RuntimeError(f"{self!r} is already running")
         self._stopping.clear()
         if self._http is None:
-            self._http = httpx.Client(timeout=self._health_timeout_s, trust_env=False)
+            self._http = httpx.Client(timeout=self.health_timeout_s, trust_env=False)
         self._spawn()
         if wait:
             try:
@@ -270,7 +301,7 @@ class SGLangServer:
             if code is not None:
                 raise LaunchError(self._describe_failure(f"exited with code {code} during startup"))
             if self._probe():
-                log.info("SGLang server on GPU(s) %s is healthy at %s (pid %d)", self.gpus, self.url, proc.pid)
+                log.info("%s server on GPU(s) %s is healthy at %s (pid %d)", self.label, self.gpus, self.url, proc.pid)
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -288,7 +319,7 @@ class SGLangServer:
             raise RuntimeError(f"{self!r} was never started")
         if self._supervisor is not None and self._supervisor.is_alive():
             return
-        self._supervisor = threading.Thread(target=self._watch, name=f"sglang-supervisor-{self.port}", daemon=True)
+        self._supervisor = threading.Thread(target=self._watch, name=f"{self.launch.engine}-supervisor-{self.port}", daemon=True)
         self._supervisor.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -303,7 +334,7 @@ class SGLangServer:
             self._http.close()
             self._http = None
 
-    def __enter__(self) -> SGLangServer:
+    def __enter__(self) -> EngineServer:
         self.start()
         self.supervise()
         return self
@@ -316,10 +347,10 @@ class SGLangServer:
     def _spawn(self) -> None:
         with self._lock:
             if self._stopping.is_set():
-                raise LaunchError(f"SGLang server on GPU(s) {self.gpus} is stopping; not starting it")
+                raise LaunchError(f"{self.label} server on GPU(s) {self.gpus} is stopping; not starting it")
             if _accepts_connections(_client_host(self.launch.host), self.port):
                 raise LaunchError(
-                    f"port {self.port} is already in use, so the SGLang server for GPU(s) {self.gpus} cannot bind it "
+                    f"port {self.port} is already in use, so the {self.label} server for GPU(s) {self.gpus} cannot bind it "
                     f"(a server left behind by a killed worker? `ss -ltnp 'sport = :{self.port}'` shows its pid)"
                 )
             env = {**os.environ, **self._env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))}
@@ -332,13 +363,16 @@ class SGLangServer:
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
                 logf.write(f"==== draftfleet {stamp}: GPU(s) {self.gpus}: {shown}\n".encode())
                 logf.flush()
-                self._proc = subprocess.Popen(
-                    self.command, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                    env=env, start_new_session=True,
-                )  # fmt: skip
+                try:
+                    self._proc = subprocess.Popen(
+                        self.command, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                        env=env, start_new_session=True,
+                    )  # fmt: skip
+                except OSError as exc:  # no such executable: the engine is not installed there
+                    raise LaunchError(f"cannot start the {self.label} server ({shown}): {exc.strerror}") from None
             log.info(
-                "started SGLang server on GPU(s) %s at %s (pid %d): %s; log: %s",
-                self.gpus, self.url, self._proc.pid, shown, self.log_path,
+                "started %s server on GPU(s) %s at %s (pid %d): %s; log: %s",
+                self.label, self.gpus, self.url, self._proc.pid, shown, self.log_path,
             )  # fmt: skip
 
     def _terminate(self, timeout: float) -> None:
@@ -354,13 +388,13 @@ class SGLangServer:
                 while (proc.poll() is None or _group_members(pgid)) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 if proc.poll() is None or _group_members(pgid):
-                    log.warning("SGLang server on GPU(s) %s ignored SIGTERM for %gs; killing it", self.gpus, timeout)
+                    log.warning("%s server on GPU(s) %s ignored SIGTERM for %gs; killing it", self.label, self.gpus, timeout)
                     _killpg(pgid, signal.SIGKILL)
                     proc.wait()
                     deadline = time.monotonic() + 5.0
                     while _group_members(pgid) and time.monotonic() < deadline:
                         time.sleep(0.05)
-                log.info("stopped SGLang server on GPU(s) %s (pid %d, exit code %s)", self.gpus, pgid, proc.returncode)
+                log.info("stopped %s server on GPU(s) %s (pid %d, exit code %s)", self.label, self.gpus, pgid, proc.returncode)
 
     def _probe(self) -> bool:
         http = self._http
@@ -401,15 +435,15 @@ class SGLangServer:
         while not self._stopping.is_set():
             if self.restarts >= self.max_restarts:
                 self._terminate(timeout=30.0)
-                message = f"SGLang server on GPU(s) {self.gpus} {reason}; giving up after {self.restarts} restart(s)"
+                message = f"{self.label} server on GPU(s) {self.gpus} {reason}; giving up after {self.restarts} restart(s)"
                 log.error("%s (log: %s)", message, self.log_path)
                 self._call(self.on_give_up, message)
                 return False
             self.restarts += 1
             delay = min(MAX_BACKOFF_S, self.restart_backoff_s * 2**attempt)
             log.warning(
-                "SGLang server on GPU(s) %s %s; restart %d/%d in %.1fs (log: %s)",
-                self.gpus, reason, self.restarts, self.max_restarts, delay, self.log_path,
+                "%s server on GPU(s) %s %s; restart %d/%d in %.1fs (log: %s)",
+                self.label, self.gpus, reason, self.restarts, self.max_restarts, delay, self.log_path,
             )  # fmt: skip
             self._terminate(timeout=30.0)
             if self._stopping.wait(delay):
@@ -434,10 +468,10 @@ class SGLangServer:
         try:
             callback(arg)
         except Exception:
-            log.exception("SGLang supervisor callback %r failed", callback)
+            log.exception("%s supervisor callback %r failed", self.label, callback)
 
     def _describe_failure(self, what: str) -> str:
-        return f"SGLang server on GPU(s) {self.gpus} {what}; log: {self.log_path}\n{self._log_tail()}"
+        return f"{self.label} server on GPU(s) {self.gpus} {what}; log: {self.log_path}\n{self._log_tail()}"
 
     def _log_tail(self) -> str:
         """The last lines this run wrote to the log, secrets masked."""

@@ -8,66 +8,24 @@ with it. Many requests are kept open at once by the worker's threads: SGLang bat
 
 from __future__ import annotations
 
-import time
-
-import httpx
-import msgspec
-
-from draftfleet.broker import redact
-from draftfleet.http import make_client
-from draftfleet.schemas.config import SGLangBackend as SGLangSettings
 from draftfleet.schemas.records import PromptTask, Usage
-from draftfleet.tokenizer import TargetTokenizer
-from draftfleet.workers.backends import Generation, Permanent, Transient, parse_retry_after
-
-_decode = msgspec.json.decode
+from draftfleet.workers.backends import Generation, Transient
+from draftfleet.workers.engine import EngineClient
 
 
-class ServerDown(Transient):
-    """The server does not answer at all: the prompt is not at fault, so it is never failed."""
+class SGLangClient(EngineClient):
+    engine = "sglang"
+    # SGLang's /health runs a one-token generation: 1-20 s under load (FORMATS.md).
+    health_timeout_s = 30.0
 
+    auth_probe_path = "/model_info"
 
-class SGLangClient:
-    kind = "gpu"
-
-    def __init__(self, url: str, settings: SGLangSettings, tokenizer: TargetTokenizer, *, inflight: int, name: str = "sglang"):
-        self.name = name
-        self.url = url.rstrip("/")
-        self.endpoint = redact(self.url)
-        self.concurrency = inflight
-        self.tokenizer = tokenizer
-        self.client = make_client(
-            inflight,
-            connect_timeout=settings.connect_timeout_s,
-            read_timeout=settings.request_timeout_s,
-            base_url=self.url,
-        )
-        self.model = ""
-
-    def healthy(self) -> bool:
-        """Whether the server answers ``/health`` now (a paused worker resumes as soon as it does)."""
-        try:
-            return self.client.get("/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def wait_ready(self, timeout: float) -> None:
-        """Block until the server answers ``/health`` (attach mode), then learn its model path."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self.client.get("/health", timeout=5.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerDown("server_down", f"{self.url} did not answer /health within {timeout:.0f}s")
-            time.sleep(1.0)
-        try:
-            info = self.client.get("/get_model_info", timeout=10.0).json()
-            self.model = str(info.get("model_path") or "")
-        except (httpx.HTTPError, ValueError):
-            self.model = ""
+    def model_name(self) -> str:
+        # /model_info since sglang 0.5 (/get_model_info is deprecated); older servers have only the old path.
+        info = self.get_json("/model_info")
+        if info is None:
+            info = self.get_json("/get_model_info")
+        return str(info.get("model_path") or "") if isinstance(info, dict) else ""
 
     def generate(self, task: PromptTask) -> Generation:
         s = task.settings
@@ -81,22 +39,7 @@ class SGLangClient:
                 "stop_token_ids": [self.tokenizer.eot_id],
             },
         }
-        try:
-            resp = self.client.post("/generate", content=msgspec.json.encode(body), headers={"content-type": "application/json"})
-        except httpx.ConnectError as exc:
-            raise ServerDown("server_down", f"{self.url}: {exc}") from None
-        except httpx.TimeoutException:
-            raise Transient("timeout", f"{self.url} did not answer in time") from None
-        except httpx.TransportError as exc:
-            raise Transient("connection", f"{self.url}: {type(exc).__name__}") from None
-        if resp.status_code >= 500 or resp.status_code in (408, 429):
-            raise Transient(f"http_{resp.status_code}", resp.text[:200], parse_retry_after(resp.headers.get("retry-after")))
-        if resp.status_code != 200:
-            raise Permanent(f"http_{resp.status_code}", resp.text[:300])
-        try:
-            out = _decode(resp.content)
-        except msgspec.DecodeError:
-            raise Transient("bad_body", "response is not JSON") from None
+        out = self.post("/generate", body)
         if isinstance(out, list):  # a batch answer to a single prompt: take its only element
             out = out[0] if out else {}
         meta = out.get("meta_info") or {}
@@ -131,6 +74,3 @@ class SGLangClient:
             cost_source="none",
             model=self.model or s.model,
         )
-
-    def close(self) -> None:
-        self.client.close()

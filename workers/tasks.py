@@ -36,7 +36,7 @@ from draftfleet.schemas.records import FailureRecord, GenerationSettings, Prompt
 from draftfleet.store import Store, StoreError, check_key, check_name
 from draftfleet.workers.backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
-from draftfleet.workers.sglang import ServerDown, SGLangClient
+from draftfleet.workers.engine import EngineClient, ServerDown
 
 log = logging.getLogger("draftfleet.worker")
 
@@ -350,7 +350,7 @@ def _generate(rt: Runtime, task: PromptTask, reasons: list[str]) -> tuple[Genera
     assert last is not None
     if isinstance(last, ServerDown):
         # The server is gone, not the prompt: keep the task queued for when it is back.
-        rt.pause("server_down", str(last), ready=rt.backend.healthy if isinstance(rt.backend, SGLangClient) else None)
+        rt.pause("server_down", str(last), ready=rt.backend.healthy if isinstance(rt.backend, EngineClient) else None)
         raise Reject("server down", requeue=True)
     _fail(rt, task, last.reason, str(last), rt.cfg.fleet.max_attempts)
     return None, rt.cfg.fleet.max_attempts, time.monotonic() - started

@@ -1,8 +1,8 @@
 """Starting a worker process: pick the backend, load the tokenizer, run Celery's threads pool.
 
-One GPU worker per SGLang server (attached by URL, or launched here for one GPU or TP group);
-any number of cloud workers per API. Concurrency is the number of requests kept in flight:
-one Celery thread each, sharing one pooled HTTP client sized to match.
+One GPU worker per engine server, SGLang or vLLM (attached by URL, or launched here for one GPU
+or TP group); any number of cloud workers per API. Concurrency is the number of requests kept in
+flight: one Celery thread each, sharing one pooled HTTP client sized to match.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ import redis
 
 from draftfleet import redis_keys as rk
 from draftfleet.broker import connect, redact, resolve_redis_url
-from draftfleet.schemas.config import ConfigError, FleetConfig
+from draftfleet.schemas.config import ENGINE_LABELS, ConfigError, Engine, FleetConfig
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.app import make_app
 from draftfleet.workers.backends import Backend
 from draftfleet.workers.cloud import CloudChat
+from draftfleet.workers.engine import EngineClient
 from draftfleet.workers.sglang import SGLangClient
 from draftfleet.workers.tasks import Runtime, install, register
+from draftfleet.workers.vllm import VLLMClient
 
 log = logging.getLogger("draftfleet.worker")
 
@@ -131,6 +133,7 @@ def run_worker(
     kind: str,
     *,
     backend_name: str | None = None,
+    engine: Engine | None = None,
     url: str | None = None,
     gpus: list[int] | None = None,
     slots: int | None = None,
@@ -145,15 +148,14 @@ def run_worker(
     broker_url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
     names = worker_datasets(cfg, datasets)
     if kind == "gpu":
-        if cfg.sglang is None:
-            raise ConfigError(f"{cfg.path}: no [backends.sglang] table")
-        if gpus is not None and cfg.sglang.launch is None:
-            raise ConfigError(f"{cfg.path}: --gpu needs [backends.sglang.launch] (model_path, tp, port_base)")
+        engine, settings = cfg.engine(engine)
+        if gpus is not None and settings.launch is None:
+            raise ConfigError(f"{cfg.path}: --gpu needs [backends.{engine}.launch] (model_path, tp, port_base)")
         if gpus is None and url is None:
-            if not cfg.sglang.urls:
-                raise ConfigError(f"{cfg.path}: backends.sglang.urls is empty: pass --url or --gpu")
-            url = cfg.sglang.urls[0]
-        label = f"gpu{'-'.join(map(str, gpus))}" if gpus is not None else f"sglang-{url.rsplit(':', 1)[-1].strip('/')}"
+            if not settings.urls:
+                raise ConfigError(f"{cfg.path}: backends.{engine}.urls is empty: pass --url or --gpu")
+            url = settings.urls[0]
+        label = f"gpu{'-'.join(map(str, gpus))}" if gpus is not None else f"{engine}-{url.rsplit(':', 1)[-1].strip('/')}"
     elif kind == "cloud":
         if not backend_name:
             if len(cfg.clouds) != 1:  # the only cloud backend needs no naming
@@ -173,18 +175,19 @@ def run_worker(
     backend: Backend | None = None
     try:
         if kind == "gpu":
-            stop_waiting = announce_waiting(r, hostname, kind, "sglang", redact(url) if url else f"GPU {gpus}", names,
-                                            f"SGLang at {redact(url)}" if url else f"SGLang to start on GPU(s) {gpus}")
+            shown = ENGINE_LABELS[engine]
+            stop_waiting = announce_waiting(r, hostname, kind, engine, redact(url) if url else f"GPU {gpus}", names,
+                                            f"{shown} at {redact(url)}" if url else f"{shown} to start on GPU(s) {gpus}")
             if gpus is not None:
-                from draftfleet.workers.launcher import SGLangServer, port_for
+                from draftfleet.workers.launcher import EngineServer, port_for
 
-                server = SGLangServer(cfg.sglang.launch, gpus, port=port_for(cfg.sglang.launch, gpus))
+                server = EngineServer(settings.launch, gpus, port=port_for(settings.launch, gpus))
                 server.start(wait=True)
                 server.supervise()
                 url = server.url
-            n = slots or cfg.sglang.inflight
-            backend = SGLangClient(url, cfg.sglang, tokenizer, inflight=n)
-            log.info("waiting for SGLang at %s", redact(url))
+            n = slots or settings.inflight
+            backend = ENGINE_CLIENTS[engine](url, settings, tokenizer, inflight=n)
+            log.info("waiting for %s at %s", shown, redact(url))
             backend.wait_ready(ready_timeout_s)
             stop_waiting()
             pause_s = 30.0
@@ -204,8 +207,8 @@ def run_worker(
         install(rt)
         rt.start()
         if server is not None:
-            # The supervisor gave up restarting SGLang: stop consuming rather than burn retries.
-            server.on_give_up = lambda reason: rt.pause("sglang_gave_up", reason)
+            # The supervisor gave up restarting the engine: stop consuming rather than burn retries.
+            server.on_give_up = lambda reason: rt.pause(f"{engine}_gave_up", reason)
         queues = rt.initial_queues()
         log.info("%s worker %s: %d in flight, queues %s, broker %s", kind, hostname, n, ",".join(queues),
                  redact(broker_url))
@@ -223,10 +226,10 @@ def run_worker(
             server.stop()
 
 def run_gpu_workers(config_path: str, groups: list[list[int]], argv_tail: list[str]) -> int:
-    """One ``worker gpu --gpu G`` process per GPU group (the default: one SGLang server per GPU).
+    """One ``worker gpu --gpu G`` process per GPU group (the default: one engine server per GPU).
 
     Children are independent workers; SIGTERM/SIGINT here is passed on to each (warm shutdown),
-    and a child that exits is reported, not restarted (its SGLang supervisor already restarts the
+    and a child that exits is reported, not restarted (its engine supervisor already restarts the
     server; a crashing worker needs a person).
     """
     import signal

@@ -1,0 +1,81 @@
+"""The vLLM GPU backend: ``/v1/completions`` with token ids in and out, exact ids.
+
+The worker renders the chat template itself (the same prompt ids as the SGLang path) and sends
+them as the prompt; ``return_token_ids`` makes vLLM answer with the ids it generated, which are
+stored as they come (``exact``): on a stop the stop token is the last of them. vLLM also echoes
+the prompt ids it ran; anything but the ids sent means the server re-tokenized, and the worker
+pauses rather than store ids that do not belong together. Shapes: FORMATS.md, "vLLM".
+"""
+
+from __future__ import annotations
+
+from draftfleet.schemas.records import PromptTask, Usage
+from draftfleet.workers.backends import Generation, Halt, Transient
+from draftfleet.workers.engine import EngineClient
+
+
+class VLLMClient(EngineClient):
+    engine = "vllm"
+    auth_probe_path = "/v1/models"  # vLLM's --api-key guards the /v1 paths only
+    auth_probe_path = "/v1/models"  # vLLM's --api-key guards /v1/*
+
+    def model_name(self) -> str:
+        """The served model name (``--served-model-name``, else the model path) from ``/v1/models``."""
+        models = self.get_json("/v1/models")
+        data = models.get("data") if isinstance(models, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            return str(data[0].get("id") or "")
+        return ""
+
+    def generate(self, task: PromptTask) -> Generation:
+        s = task.settings
+        input_ids = self.tokenizer.prompt_ids(task.messages)
+        body: dict = {
+            "prompt": input_ids,
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "stop_token_ids": [self.tokenizer.eot_id],
+            "return_token_ids": True,
+        }
+        if self.model:
+            body["model"] = self.model
+        out = self.post("/v1/completions", body)
+        choices = out.get("choices") if isinstance(out, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise Transient("bad_body", "no choices in the response (is this vLLM's /v1/completions?)")
+        choice = choices[0]
+        ids, sent_back = choice.get("token_ids"), choice.get("prompt_token_ids")
+        if not isinstance(ids, list) or not isinstance(sent_back, list):
+            raise Halt("no_token_ids", f"{self.endpoint} returned no token ids: it needs a vLLM that honours "
+                       '"return_token_ids" (0.32 does); without them the ids cannot be exact')
+        if sent_back != input_ids:
+            raise Halt("prompt_ids_changed", f"{self.endpoint} ran {len(sent_back)} prompt ids that differ from the "
+                       f"{len(input_ids)} sent (first difference at {_first_difference(sent_back, input_ids)}): "
+                       "the server re-tokenized the prompt, so its output would not follow the stored prompt")
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):
+            raise Transient(f"finish_{finish}", str(choice.get("stop_reason") or "unexpected finish_reason")[:200])
+        ids = [int(i) for i in ids]
+        usage = out.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        return Generation(
+            text=str(choice.get("text") or ""),
+            output_ids=ids,
+            prompt_tokens=len(input_ids),
+            finish_reason=finish,
+            truncated=finish == "length",
+            token_source="exact",
+            usage=Usage(
+                prompt_tokens=int(usage.get("prompt_tokens") or len(input_ids)),
+                completion_tokens=int(usage.get("completion_tokens") or len(ids)),
+                cached_tokens=int(details.get("cached_tokens") or 0),
+            ),
+            cost_usd=0.0,
+            cost_source="none",
+            model=self.model or s.model,
+        )
+
+
+def _first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
