@@ -279,12 +279,12 @@ def cmd_status(args) -> int:
             live.update(render(snapshot(cfg, r, names)))
 
 
-def _pivot_report(args, cfg, result, title: str) -> int:
+def _pivot_report(args, cfg, root, result, title: str) -> int:
     import msgspec
 
     from draftfleet.inventory import run_inventory
 
-    inv = run_inventory(cfg.fleet.store, cfg, result.datasets)
+    inv = run_inventory(root, cfg, result.datasets)
     if args.json:
         print(msgspec.json.encode({"drain": result, "inventory": inv}).decode())
         return 0 if result.drained else 1
@@ -295,7 +295,16 @@ def _pivot_report(args, cfg, result, title: str) -> int:
     return 0 if result.drained else 1
 
 
-def _datasets(args, cfg) -> list[str]:
+def _datasets(args, cfg, root=None) -> list[str]:
+    """The datasets named (each checked), else all: the config's, or the store's with ``--store`` alone."""
+    if cfg is None:
+        from draftfleet.store import Store
+
+        known = Store(root).datasets()
+        unknown = [n for n in args.dataset or [] if n not in known]
+        if unknown:
+            raise ConfigError(f"unknown dataset(s) {', '.join(unknown)}: {root} has {', '.join(known) or 'none'}")
+        return args.dataset or known
     names = args.dataset or [d.name for d in cfg.datasets]
     for n in names:
         cfg.dataset(n)
@@ -304,14 +313,14 @@ def _datasets(args, cfg) -> list[str]:
 
 def _move(args, label: str, run, title: str) -> int:
     """Run a drain or pivot with a live "waiting for N in flight" line, then report."""
-    cfg = _config(args)
+    cfg, root = _config_or_store(args)
     r = _redis(args, cfg)
-    names = _datasets(args, cfg)
+    names = _datasets(args, cfg, root)
     with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, disable=args.json) as progress:
         t = progress.add_task(label, total=None)
         tick = lambda running: progress.update(t, description=f"waiting for {running} in flight")  # noqa: E731
         result = run(r, names, tick)
-    return _pivot_report(args, cfg, result, title.format(datasets=", ".join(names)))
+    return _pivot_report(args, cfg, root, result, title.format(datasets=", ".join(names)))
 
 
 def cmd_drain(args) -> int:
@@ -337,7 +346,7 @@ def cmd_reconcile(args) -> int:
 
     cfg, root = _config_or_store(args)
     store = Store(root)
-    names = _datasets(args, cfg) if cfg else (args.dataset or store.datasets())
+    names = _datasets(args, cfg, root)
     drifts = Reconciler(store, _redis(args, cfg)).reconcile_all(names)
     if args.json:
         print(msgspec.json.encode(drifts).decode())

@@ -16,6 +16,8 @@ import redis
 from draftfleet import broker
 from draftfleet.broker import STATE_DIR, EmbeddedRedis, unreachable
 from draftfleet.cli import build_parser
+from draftfleet.schemas.records import DatasetManifest, GenerationSettings
+from draftfleet.store import Store
 
 from tests.conftest import REPO, free_port, run_cli, wait_until, write_config, write_jsonl
 
@@ -92,11 +94,18 @@ def test_one_shot_commands_stop_the_private_redis_they_started(tmp_path, tokeniz
     config = _config(tmp_path, tokenizer_dir)
     store = tmp_path / "store"
     emb = EmbeddedRedis(store / STATE_DIR)
+    settings = GenerationSettings(model="m", max_tokens=8, temperature=0.0, top_p=1.0)
+    Store(store).write_manifest(DatasetManifest(name="ds", version=1, settings=settings, settings_id="s",
+                                                budget_tokens=None, created_at=time.time()))
     for args in (["status", "--config", str(config)], ["reconcile", "--config", str(config)],
-                 ["reconcile", "--store", str(store)], ["failures", "--store", str(store)]):
+                 ["reconcile", "--store", str(store)], ["failures", "--store", str(store)],
+                 ["drain", "--kind", "gpu", "--store", str(store), "--json"]):
         res = run_cli(*args, env=NO_REDIS_ENV)
         assert res.returncode == 0, (args, res.stderr)
         assert emb.running_url() is None, f"{args} left the private Redis running"
+    assert json.loads(res.stdout)["drain"]["assignment"] == {"ds": ["cloud"]}  # the store's datasets
+    res = run_cli("reconcile", "--store", str(store), "--dataset", "nope", env=NO_REDIS_ENV)
+    assert res.returncode == 2 and "unknown dataset(s) nope" in res.stderr
     # started on purpose (--store alone, no fleet.toml): one-shot commands leave it running
     res = run_cli("redis", "start", "--store", str(store), env=NO_REDIS_ENV)
     assert res.returncode == 0, res.stderr
@@ -188,7 +197,6 @@ def test_flower_broker_tab_lists_every_dataset_queue(tmp_path, tokenizer_dir, em
 def test_worker_logs_one_line_per_prompt_and_no_traceback_for_pauses(tmp_path, tokenizer_dir, redis_server,
                                                                       emulator_factory, workers):
     from draftfleet.schemas.config import load_config
-    from draftfleet.store import Store
 
     emu = emulator_factory(single_stream_tps=5000, ceiling_tps=100000, length="fixed:10", ttft_s=0.0,
                            api_key="the-right-key")
