@@ -15,10 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import enqueue, inventory, overhead, report, retokenize, saturation
+from . import admission, enqueue, inventory, overhead, report, retokenize, saturation
 from .env import REPO, Section, fresh_dir, machine
 
-NAMES = ("saturation", "overhead", "inventory", "retokenize", "enqueue")
+NAMES = ("saturation", "overhead", "inventory", "retokenize", "enqueue", "admission")
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
@@ -26,6 +26,7 @@ FLAGS = {
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
     "retokenize": ("retok_answers", "retok_mean", "retok_batch", "repeats"),
     "enqueue": ("enqueue_prompts",),
+    "admission": ("admission_inflight", "admission_rounds", "admission_baseline"),
 }
 
 
@@ -63,6 +64,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--retok-batch", type=int, default=64, help="answers per batched call")
     g = p.add_argument_group("enqueue")
     g.add_argument("--enqueue-prompts", type=int, default=100_000)
+    g = p.add_argument_group("admission")
+    g.add_argument("--admission-inflight", type=_ints, default=[100, 1000, 10_000, 50_000],
+                   help="reservations in flight (comma-separated)")
+    g.add_argument("--admission-rounds", type=int, default=2000, help="tasks timed per row (fewer past 20 s)")
+    g.add_argument("--admission-baseline", default="",
+                   help="a checkout of an earlier commit to measure side by side (git worktree add PATH COMMIT)")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best kept) where a run is short")
     return p
 
@@ -95,6 +102,9 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
     if name == "retokenize":
         return retokenize.run(folder, n=args.retok_answers, mean_tokens=args.retok_mean, batch=args.retok_batch,
                               repeats=args.repeats)
+    if name == "admission":
+        return admission.run(folder, inflight=args.admission_inflight, rounds=args.admission_rounds,
+                             baseline=args.admission_baseline or None)
     return enqueue.run(folder, prompts=args.enqueue_prompts)
 
 
