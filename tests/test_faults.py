@@ -78,6 +78,25 @@ def assert_exactly_once(store: Store, r, dataset: str, n: int, timeout: float = 
     return records
 
 
+def assert_counted_once(store: Store, r, dataset: str) -> int:
+    """Before any reconcile pass: every counted key is stored, and the counters are exactly the sums
+    over the counted keys' records (a key counted twice, or a count without a record, shows here;
+    a reconcile pass would hide it). Returns how many keys are counted."""
+    counted = {k.decode() for k in r.smembers(rk.counted_set(dataset))}
+    assert counted <= store.keys(dataset), "counted keys missing from the store"
+    want: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
+    for key in counted:
+        rec = store.get(dataset, key)
+        w = want[rec.backend]
+        w["responses"] += 1
+        w["prompt_tokens"] += rec.prompt_tokens
+        w["completion_tokens"] += rec.completion_tokens
+        w["cost_micro_usd"] += micro_usd(rec.cost_usd)
+    got = {b: {f: t.get(f, 0) for f in FIELDS} for b, t in Ledger(r).totals(dataset).items()}
+    assert {b: t for b, t in got.items() if any(t.values())} == dict(want)
+    return len(counted)
+
+
 def _keys(config: Path) -> list[str]:
     """Every prompt key of the dataset, as enqueue makes them."""
     from draftfleet.identity import prompt_key
@@ -132,7 +151,7 @@ def test_worker_killed_mid_flight_loses_nothing(kind, tmp_path, redis_server, to
     assert_exactly_once(store, r, "ds", 60)
     # the killed requests were generated again, and the survivor said it gave them back
     generated = emu.stats()["by_endpoint"].get("/generate" if kind == "gpu" else "/v1/chat/completions")
-    assert generated >= 60 + 1 and stored_at_kill < 60
+    assert generated >= 60 + 16 and stored_at_kill < 60  # the 16 cut requests ran again
     assert "held by no live worker back to their queues" in workers.logs(tail=None)
 
 
@@ -141,9 +160,10 @@ def test_worker_killed_mid_flight_loses_nothing(kind, tmp_path, redis_server, to
 
 def test_redis_restarted_empty_then_enqueue_restores_exactly_the_missing(tmp_path, redis_server, tokenizer_dir,
                                                                           emulator_factory, workers):
-    emu = emulator_factory(single_stream_tps=30, ceiling_tps=100000, length="fixed:30", ttft_s=0.0,
+    # 3 s an answer: the requests open at the restart are still open a heartbeat later
+    emu = emulator_factory(single_stream_tps=30, ceiling_tps=100000, length="fixed:90", ttft_s=0.0,
                            api_key=KEY_ENV["DRAFTFLEET_TEST_KEY"])
-    config, store = _setup(tmp_path, tokenizer_dir, emu.url, 60, inflight=8, concurrency=8)
+    config, store = _setup(tmp_path, tokenizer_dir, emu.url, 60, inflight=8, concurrency=8, max_tokens=128)
     r = redis_server.client()
     gpu = _start(workers, config, "gpu", "gpu", redis_server.url, emu.url)
     cloud = _start(workers, config, "cloud", "cloud", redis_server.url, emu.url)
@@ -154,6 +174,10 @@ def test_redis_restarted_empty_then_enqueue_restores_exactly_the_missing(tmp_pat
     redis_server.restart(keep_data=False)  # SIGKILL, append-only files removed: queues, claims, counters gone
     r = redis_server.client()
     assert not r.exists(rk.queue("ds"))
+    # the heartbeats put back the claims of the requests still open (nothing else could make one:
+    # no task is queued yet)
+    wait_until(lambda: len(list(r.scan_iter(rk.claim("ds", "*")))) >= 8, 5, 0.05,
+               f"the lost claims re-created\n{workers.logs()}")
     summary = _enqueue(config, redis_server.url)[0]
     # queued: every key not stored and not already back in the queue (a message a worker popped as
     # Redis died is given back by that worker, as soon as it reconnects)
@@ -166,6 +190,13 @@ def test_redis_restarted_empty_then_enqueue_restores_exactly_the_missing(tmp_pat
     assert gpu.poll() is None and cloud.poll() is None
     logs = workers.logs(tail=None)
     assert logs.count("Connected to") >= 4  # each worker connected again on its own
+    # the re-queued copies of the open requests found their claim: nothing was generated twice
+    wait_until(lambda: not queued_keys(r, "ds"), 30, 0.2, "the deferred copies to finish")
+    assert _events(r, "ds")["deferred:claimed"] >= 1
+    calls = emu.stats()["by_endpoint"]
+    assert calls.get("/generate", 0) + calls.get("/v1/chat/completions", 0) == 60
+    # count-once, before any reconcile: what was counted since the restart is counted once
+    assert assert_counted_once(store, r, "ds") >= 60 - summary["already_done"]
     # the counters lost with Redis are rebuilt from the store by the reconciler
     res = run_cli("reconcile", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
     assert res.returncode == 0, res.stderr
@@ -193,7 +224,10 @@ def test_redis_restarted_with_its_data_the_run_goes_on(tmp_path, tokenizer_dir, 
         wait_until(lambda: len(store.keys("ds")) == 60, 60, 0.2, f"60 results\n{workers.logs()}")
         assert gpu.poll() is None and cloud.poll() is None
         r = server.client()
-        # a write lost in the last second (an ack, a count) is repaired: the reconciler recounts
+        wait_until(lambda: not queued_keys(r, "ds"), 30, 0.2, "the queue and unacked to empty")
+        # count-once, before any reconcile: a count lost in the last second is missing (the
+        # reconciler adds it), but nothing is counted twice and nothing counted is unstored
+        assert assert_counted_once(store, r, "ds") >= 60 - 16
         res = run_cli("reconcile", "--config", str(config), "--json", env={"REDIS_URL": server.url})
         assert res.returncode == 0, res.stderr
         assert_exactly_once(store, r, "ds", 60)
@@ -296,6 +330,8 @@ def test_sglang_server_dies_mid_batch_and_comes_back(tmp_path, redis_server, tok
         assert events["retry:connection"] > 0 and events["retry:server_down"] > 0
 
         emu = Emulator(EmulatorConfig(**settings), port=port).start()  # restarted (a supervisor, an operator)
+        # the worker probes /health every second: it resumes within seconds, not after its 30 s pause
+        wait_until(lambda: _report(r, "gpu@").get("paused") is None, 10, 0.1, f"a resume\n{workers.logs()}")
         wait_until(lambda: len(store.keys("ds")) == 40, 60, 0.2, f"40 results\n{workers.logs()}")
         assert gpu.poll() is None
         assert_exactly_once(store, r, "ds", 40)
@@ -467,7 +503,9 @@ def test_task_longer_than_visibility_timeout_runs_once(tmp_path, redis_server, t
 
 def test_task_whose_claim_lapsed_is_run_twice_but_stored_and_counted_once(tmp_path, redis_server, tokenizer_dir,
                                                                           emulator_factory, workers):
-    emu = emulator_factory(single_stream_tps=10, ceiling_tps=100000, length="fixed:60", ttft_s=0.0)  # 6 s each
+    # 12 s each: the first worker's requests are still open when it is resumed, so its heartbeat
+    # still holds their claims in its set when it beats again
+    emu = emulator_factory(single_stream_tps=5, ceiling_tps=100000, length="fixed:60", ttft_s=0.0)
     config, store = _setup(tmp_path, tokenizer_dir, emu.url, 4, inflight=4)
     r = redis_server.client()
     first = _start(workers, config, "gpu", "first", redis_server.url, emu.url)
@@ -482,8 +520,13 @@ def test_task_whose_claim_lapsed_is_run_twice_but_stored_and_counted_once(tmp_pa
                    f"the second worker to run them again\n{workers.logs()}")
     finally:
         first.send_signal(signal.SIGCONT)
+    # the first worker beats again (every second) while both still generate: the claims stay the
+    # second's
+    time.sleep(2.5)
+    holders = [r.get(k) for k in r.scan_iter(rk.claim("ds", "*"))]
+    assert len(holders) == 4 and all(h.startswith(b"second@") for h in holders), holders
     wait_until(lambda: len(store.keys("ds")) == 4, 60, 0.2, workers.logs())
-    time.sleep(8)  # both copies of every key have finished
+    time.sleep(14)  # both copies of every key have finished
     assert first.poll() is None
     assert_exactly_once(store, r, "ds", 4, timeout=60)
     assert emu.stats()["completed"] == 8
