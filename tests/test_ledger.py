@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from draftfleet import redis_keys as rk
 from draftfleet.ledger import ADMITTED, CLOSED, REFUSED, WAIT, Ledger
 from draftfleet.schemas.records import Message, ResponseRecord, Usage
@@ -38,10 +40,20 @@ def test_admission_phases_close_the_budget_exactly(redis_server):
         ledger.count(_rec(key, tokens))
         r.delete(rk.claim("ds", key))
 
+    def admit_until_refused(prefix: str, then=None, limit: int = 100) -> tuple[list[str], str]:
+        """Admit keys (each followed by ``then(key)``) until admission says no: the keys and the
+        verdict. Admission that never stops is a failure here, not a hang to the suite's timeout."""
+        keys = []
+        for i in range(limit):
+            if (v := admit(f"{prefix}{i}")) != ADMITTED:
+                return keys, v
+            keys.append(f"{prefix}{i}")
+            if then:
+                then(keys[-1])
+        pytest.fail(f"{limit} admissions in a row under a budget of {budget} tokens: admission never closes")
+
     # phase 1: free admission while the margin (3 sd x sqrt(in flight)) fits
-    admitted = []
-    while (v := admit(f"k{len(admitted)}")) == ADMITTED:
-        admitted.append(f"k{len(admitted)}")
+    admitted, v = admit_until_refused("k")
     assert v == WAIT and 2 <= len(admitted) < 20
     # closing: nothing more while anything is in flight
     assert admit("late") == WAIT
@@ -49,20 +61,12 @@ def test_admission_phases_close_the_budget_exactly(redis_server):
         finish(k, e)
     committed = len(admitted) * e
     # a round admits up to half the room left, then waits for the round to finish
-    round1 = []
-    while (v := admit(f"r{len(round1)}")) == ADMITTED:
-        round1.append(f"r{len(round1)}")
+    round1, v = admit_until_refused("r")
     assert v == WAIT and len(round1) == max(1, (budget - committed) // 2 // e)
     for k in round1:
         finish(k, e)
     # rounds shrink until less than one response fits; then the dataset closes
-    n = 0
-    while True:
-        v = admit(f"z{n}")
-        if v != ADMITTED:
-            break
-        finish(f"z{n}", e)
-        n += 1
+    _, v = admit_until_refused("z", then=lambda k: finish(k, e))
     assert v == REFUSED and ledger.closed_at("ds") == budget
     assert budget - e < ledger.dataset_totals("ds")["completion_tokens"] <= budget
     assert admit("after") == CLOSED
