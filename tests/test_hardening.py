@@ -367,3 +367,42 @@ def test_remote_code_from_a_folder_others_can_change_is_refused(tmp_path, tokeni
     with pytest.raises(TokenizerError, match="tokenizer_trust_remote_code is on and .* (writable by other users|owned by uid 4242)"):
         TargetTokenizer(str(folder), trust_remote_code=True)
     TargetTokenizer(str(folder), trust_remote_code=False)  # no code runs: nothing to refuse
+
+
+def test_compose_redis_runs_without_admin_commands(tmp_path):
+    """compose.yaml's own redis command line, run here (the local binary, a temp folder, a free port)."""
+    import shlex
+
+    import yaml
+
+    from draftfleet.broker import DISABLED_COMMANDS, redis_binary
+    from tests.conftest import REPO, free_port, wait_until
+
+    svc = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["redis"]
+    assert svc["command"][:2] == ["sh", "-c"]
+    script = svc["command"][2].replace("$$", "$")
+    port, conf, data = free_port(), tmp_path / "redis.conf", tmp_path / "data"
+    data.mkdir()
+    script = (script.replace("/tmp/redis.conf", shlex.quote(str(conf))).replace("--dir /data", f"--dir {data}")
+              .replace("exec redis-server", f"exec {shlex.quote(redis_binary())}")
+              + f" --port {port} --bind 127.0.0.1 --daemonize no --logfile {tmp_path / 'log'}")
+    proc = subprocess.Popen(["sh", "-c", script], env={"REDIS_PASSWORD": "compose-secret", "PATH": os.environ["PATH"]})
+    try:
+        r = redis.Redis(port=port, password="compose-secret", socket_connect_timeout=1)
+
+        def up() -> bool:
+            try:
+                return bool(r.ping())
+            except redis.RedisError:
+                return False
+
+        wait_until(up, 10, 0.05, f"compose's redis\n{(tmp_path / 'log').read_text() if (tmp_path / 'log').exists() else ''}")
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600 and "compose-secret" not in " ".join(proc.args)
+        for name in DISABLED_COMMANDS:
+            with pytest.raises(redis.ResponseError, match="unknown command"):
+                r.execute_command(name, "x")
+        r.set("k", "v")  # what the fleet uses still works
+        assert r.get("k") == b"v"
+    finally:
+        proc.kill()
+        proc.wait()
