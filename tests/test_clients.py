@@ -3,12 +3,21 @@ is a behaviour of real SGLang or OpenRouter that the client once got wrong (FORM
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 
-from draftfleet.schemas.config import CloudBackend
+from draftfleet import redis_keys as rk
+from draftfleet.schemas.config import CloudBackend, SGLangBackend
 from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
+from draftfleet.store import Store
 from draftfleet.workers.backends import Halt, Permanent, Transient
 from draftfleet.workers.cloud import CloudChat
+from draftfleet.workers.sglang import SGLangClient
+from tests.conftest import run_cli, wait_until, write_jsonl
 
 KEY = "sk-or-v1-client-test-secret"
 USER = [Message(role="user", content="explain how a queue works")]
@@ -84,3 +93,111 @@ def test_cloud_byok_spend_adds_the_providers_charge(cloud) -> None:
     gen = chat.generate(task())
     assert gen.usage.is_byok and gen.usage.upstream_cost_usd == pytest.approx(full)
     assert gen.cost_usd == pytest.approx(full * 1.05)  # OpenRouter's 5% fee plus the provider's own bill
+
+
+# -- SGLang ---------------------------------------------------------------------------------------
+
+SGLANG_KEY = "sglang-client-test-secret"
+
+
+def test_sglang_client_asks_model_info_not_the_deprecated_path(emulator_factory, target_tokenizer) -> None:
+    emu = emulator_factory(time_scale=0)
+    client = SGLangClient(emu.url, SGLangBackend(), target_tokenizer, inflight=2)
+    try:
+        client.wait_ready(10)
+        assert client.model == "test/chatml"
+        assert emu.stats()["deprecated"] == 0  # /get_model_info is deprecated in sglang 0.5.23
+    finally:
+        client.close()
+
+
+class _OldSGLang(BaseHTTPRequestHandler):
+    """An SGLang from before /model_info: only /get_model_info answers."""
+
+    def do_GET(self) -> None:
+        status, body = {"/health": (200, b""), "/get_model_info": (200, b'{"model_path": "old/model"}')}.get(
+            self.path, (404, b'{"detail": "Not Found"}'))
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_sglang_client_falls_back_to_get_model_info_on_old_servers(target_tokenizer) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OldSGLang)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", SGLangBackend(), target_tokenizer, inflight=2)
+    try:
+        client.wait_ready(10)
+        assert client.model == "old/model"
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_sglang_client_sends_the_key_and_a_refusal_halts_until_the_key_works(emulator_factory, target_tokenizer,
+                                                                            monkeypatch) -> None:
+    emu = emulator_factory(time_scale=0, sglang_api_key="not-the-workers-key", length="fixed:8")
+    monkeypatch.setenv("H4_SGLANG_KEY", SGLANG_KEY)
+    client = SGLangClient(emu.url, SGLangBackend(api_key_env="H4_SGLANG_KEY"), target_tokenizer, inflight=2)
+    try:
+        assert client.healthy()  # /health needs no key: the server looks fine while /generate refuses
+        with pytest.raises(Halt) as refused:
+            client.generate(task())
+        assert refused.value.reason == "http_401" and SGLANG_KEY not in str(refused.value)
+        assert refused.value.ready is not None and not refused.value.ready()
+        emu.update(sglang_api_key=SGLANG_KEY)  # the operator fixes the server's --api-key (or the variable)
+        assert refused.value.ready()
+        assert client.generate(task()).output_ids[-1] == target_tokenizer.eot_id
+    finally:
+        client.close()
+
+
+def test_gpu_worker_refused_by_sglang_pauses_and_resumes_once_the_key_works(tmp_path, redis_server, tokenizer_dir,
+                                                                           emulator_factory, workers) -> None:
+    emu = emulator_factory(time_scale=0, sglang_api_key="rotated-on-the-server", length="uniform:5:30")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": f"explain item {i}"}]}
+                                              for i in range(20)])
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"""[fleet]
+store = "{tmp_path / 'store'}"
+model = "test/chatml"
+tokenizer = "{tokenizer_dir}"
+
+[[datasets]]
+name = "ds"
+path = "{data}"
+max_tokens = 64
+
+[backends.sglang]
+urls = ["{emu.url}"]
+inflight = 4
+api_key_env = "H4_SGLANG_KEY"
+""")
+    res = run_cli("enqueue", "--config", str(config), env={"REDIS_URL": redis_server.url})
+    assert res.returncode == 0, res.stderr
+    workers.start(config, "gpu", redis_url=redis_server.url, env={"H4_SGLANG_KEY": SGLANG_KEY})
+    r = redis_server.client()
+    wait_until(lambda: emu.stats()["unauthorized"] > 0, 60, 0.1, f"a 401\n{workers.logs()}")
+
+    def paused() -> str | None:
+        for key in r.scan_iter(rk.worker_report("*")):
+            raw = r.get(key)
+            if raw:
+                return json.loads(raw).get("paused")
+        return None
+
+    wait_until(lambda: paused() == "http_401", 30, 0.1, f"a pause\n{workers.logs()}")
+    store = Store(str(tmp_path / "store"))
+    assert not store.failures("ds") and not store.keys("ds")
+    emu.update(sglang_api_key=SGLANG_KEY)
+    t0 = time.monotonic()
+    # resumed by its probe, well before the 30 s pause would end on its own
+    wait_until(lambda: len(store.keys("ds")) == 20, 20, 0.2, f"20 results\n{workers.logs()}")
+    assert time.monotonic() - t0 < 20 and not store.failures("ds")
+    logs = workers.logs(tail=None)
+    assert "STOPPED CONSUMING" in logs and "resuming after a pause" in logs and SGLANG_KEY not in logs
