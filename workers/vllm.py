@@ -2,34 +2,21 @@
 
 The worker renders the chat template itself (the same prompt ids as the SGLang path) and sends
 them as the prompt; ``return_token_ids`` makes vLLM answer with the ids it generated, which are
-stored as they come (``exact``): on a stop the stop token is the last of them; the text is split
-into reasoning and answer as for SGLang. vLLM also echoes
+stored as they come (``exact``): on a stop the stop token is the last of them. vLLM also echoes
 the prompt ids it ran; anything but the ids sent means the server re-tokenized, and the worker
 pauses rather than store ids that do not belong together. Shapes: FORMATS.md, "vLLM".
 """
 
 from __future__ import annotations
 
-import httpx
-import msgspec
-
 from draftfleet.schemas.records import PromptTask, Usage
 from draftfleet.workers.backends import Generation, Halt, Transient
-from draftfleet.workers.engine import EngineClient, error_message
+from draftfleet.workers.engine import EngineClient
 
 
 class VLLMClient(EngineClient):
     engine = "vllm"
     auth_probe_path = "/v1/models"  # vLLM's --api-key guards the /v1 paths only
-
-    def rejected(self, resp: httpx.Response) -> Exception:
-        """``max_tokens`` over the server's ``--max-model-len`` is refused for every prompt of the
-        dataset (a shorter prompt plus ``max_tokens`` over it is served, cut at the limit): a
-        configuration error, so the worker pauses instead of failing the whole dataset."""
-        if resp.status_code == 400 and _error_param(resp) == "max_tokens":
-            return Halt("max_tokens_exceeded", f"{error_message(resp)}: lower the dataset's max_tokens or start "
-                        "vLLM with a larger --max-model-len")
-        return super().rejected(resp)
 
     def model_name(self) -> str:
         """The served model name (``--served-model-name``, else the model path) from ``/v1/models``."""
@@ -71,10 +58,8 @@ class VLLMClient(EngineClient):
         ids = [int(i) for i in ids]
         usage = out.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
-        text, reasoning = self.tokenizer.split_reasoning(task.messages, ids)
         return Generation(
-            text=text,
-            reasoning=reasoning,
+            text=str(choice.get("text") or ""),
             output_ids=ids,
             prompt_tokens=len(input_ids),
             finish_reason=finish,
@@ -89,15 +74,6 @@ class VLLMClient(EngineClient):
             cost_source="none",
             model=self.model or s.model,
         )
-
-
-def _error_param(resp: httpx.Response) -> str | None:
-    """The request field vLLM's error body blames (``{"error": {"param": ...}}``)."""
-    try:
-        err = msgspec.json.decode(resp.content).get("error")
-    except (msgspec.DecodeError, AttributeError):
-        return None
-    return err.get("param") if isinstance(err, dict) else None
 
 
 def _first_difference(a: list, b: list) -> int:
