@@ -131,11 +131,15 @@ class EngineClient:
         if status == 404:  # a wrong URL or a model the server no longer serves: never one prompt's fault
             raise Halt("http_404", f"{self.endpoint}{path}: {error_message(resp, 200)}")
         if status != 200:
-            raise Permanent(f"http_{status}", error_message(resp))
+            raise self.rejected(resp)
         try:
             return _decode(resp.content)
         except msgspec.DecodeError:
             raise Transient("bad_body", "response is not JSON") from None
+
+    def rejected(self, resp: httpx.Response) -> Exception:
+        """What a 4xx refusal of a request means: by default this prompt's fault (too long, ...)."""
+        return Permanent(f"http_{resp.status_code}", error_message(resp))
 
     def authorized(self) -> bool:
         """Whether the server takes the worker's key now: a path behind the key answers other than

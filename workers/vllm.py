@@ -10,8 +10,11 @@ pauses rather than store ids that do not belong together. Shapes: FORMATS.md, "v
 from __future__ import annotations
 
 from draftfleet.schemas.records import PromptTask, Usage
+import httpx
+import msgspec
+
 from draftfleet.workers.backends import Generation, Halt, Transient
-from draftfleet.workers.engine import EngineClient
+from draftfleet.workers.engine import EngineClient, error_message
 
 
 class VLLMClient(EngineClient):
@@ -19,6 +22,15 @@ class VLLMClient(EngineClient):
     auth_probe_path = "/v1/models"  # vLLM's --api-key guards the /v1 paths only
 
     def model_name(self) -> str:
+    def rejected(self, resp: httpx.Response) -> Exception:
+        """``max_tokens`` over the server's ``--max-model-len`` is refused for every prompt of the
+        dataset (a shorter prompt plus ``max_tokens`` over it is served, cut at the limit): a
+        configuration error, so the worker pauses instead of failing the whole dataset."""
+        if resp.status_code == 400 and _error_param(resp) == "max_tokens":
+            return Halt("max_tokens_exceeded", f"{error_message(resp)}: lower the dataset's max_tokens or start "
+                        "vLLM with a larger --max-model-len")
+        return super().rejected(resp)
+
         """The served model name (``--served-model-name``, else the model path) from ``/v1/models``."""
         models = self.get_json("/v1/models")
         data = models.get("data") if isinstance(models, dict) else None
@@ -78,3 +90,12 @@ class VLLMClient(EngineClient):
 
 def _first_difference(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def _error_param(resp: httpx.Response) -> str | None:
+    """The request field vLLM's error body blames (``{"error": {"param": ...}}``)."""
+    try:
+        err = msgspec.json.decode(resp.content).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return err.get("param") if isinstance(err, dict) else None
+
+
