@@ -88,8 +88,6 @@ class VLLMClient(EngineClient):
         )
 
 
-def _first_difference(a: list, b: list) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 def _error_param(resp: httpx.Response) -> str | None:
     """The request field vLLM's error body blames (``{"error": {"param": ...}}``)."""
     try:
@@ -99,3 +97,5 @@ def _error_param(resp: httpx.Response) -> str | None:
     return err.get("param") if isinstance(err, dict) else None
 
 
+def _first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
