@@ -9,10 +9,10 @@ pauses rather than store ids that do not belong together. Shapes: FORMATS.md, "v
 
 from __future__ import annotations
 
-from draftfleet.schemas.records import PromptTask, Usage
 import httpx
 import msgspec
 
+from draftfleet.schemas.records import PromptTask, Usage
 from draftfleet.workers.backends import Generation, Halt, Transient
 from draftfleet.workers.engine import EngineClient, error_message
 
@@ -21,7 +21,6 @@ class VLLMClient(EngineClient):
     engine = "vllm"
     auth_probe_path = "/v1/models"  # vLLM's --api-key guards the /v1 paths only
 
-    def model_name(self) -> str:
     def rejected(self, resp: httpx.Response) -> Exception:
         """``max_tokens`` over the server's ``--max-model-len`` is refused for every prompt of the
         dataset (a shorter prompt plus ``max_tokens`` over it is served, cut at the limit): a
@@ -31,6 +30,7 @@ class VLLMClient(EngineClient):
                         "vLLM with a larger --max-model-len")
         return super().rejected(resp)
 
+    def model_name(self) -> str:
         """The served model name (``--served-model-name``, else the model path) from ``/v1/models``."""
         models = self.get_json("/v1/models")
         data = models.get("data") if isinstance(models, dict) else None
