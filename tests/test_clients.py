@@ -201,3 +201,18 @@ api_key_env = "H4_SGLANG_KEY"
     assert time.monotonic() - t0 < 20 and not store.failures("ds")
     logs = workers.logs(tail=None)
     assert "STOPPED CONSUMING" in logs and "resuming after a pause" in logs and SGLANG_KEY not in logs
+
+
+def test_sglang_client_waits_for_warm_up_and_for_a_slow_health_probe(emulator_factory, target_tokenizer) -> None:
+    """/health answers 503 while SGLang warms up, and under load its one-token generation takes
+    seconds (up to SGLANG_HEALTH_CHECK_TIMEOUT, 20 s): neither is a dead server."""
+    emu = emulator_factory(time_scale=0, loading=True)
+    client = SGLangClient(emu.url, SGLangBackend(), target_tokenizer, inflight=2)
+    try:
+        assert not client.healthy()
+        threading.Timer(1.0, lambda: emu.update(loading=False, health_s=6.0)).start()
+        t0 = time.monotonic()
+        client.wait_ready(30)
+        assert time.monotonic() - t0 >= 6.0 and client.model == "test/chatml"
+    finally:
+        client.close()
