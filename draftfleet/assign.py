@@ -1,16 +1,27 @@
-"""Which worker kinds consume which dataset, kept in Redis so a restart cannot undo a pivot.
+"""The live dataset settings, kept in Redis: which worker kinds consume which dataset, and the
+settings each dataset was last enqueued with. Nothing here needs a restart to take effect.
 
 Celery's ``add_consumer``/``cancel_consumer`` live only in a worker's memory: a GPU worker
 restarted after a pivot would start eating the pivoted queue again. Workers therefore read this
 assignment at start and every second, consume only what is assigned to their kind, and put back
 (without starting it) any task of a dataset no longer assigned to them.
+
+``enqueue`` publishes each dataset's manifest (its settings and ``budget_tokens``) here. Workers
+read it on the same one-second poll (a worker started without ``--dataset`` follows every
+published dataset), budget admission reads the budget inside its own script, and the
+reconciler and status list and budget datasets from it; the config file is where a dataset
+starts, not where running processes look. Redis can lose this: the processes keep what they
+last read (or their config's figures), and the next ``enqueue`` publishes it again.
 """
 
 from __future__ import annotations
 
+import msgspec
 import redis
 
 from draftfleet import redis_keys as rk
+from draftfleet.schemas.config import FleetConfig
+from draftfleet.schemas.records import DatasetManifest
 
 KINDS = ("gpu", "cloud")
 
@@ -44,4 +55,34 @@ def assigned(r: redis.Redis, datasets: list[str], kind: str) -> set[str]:
         names = {m.decode() if isinstance(m, bytes) else m for m in members}
         if not names or kind in names:
             out.add(d)
+    return out
+
+
+_manifest = msgspec.json.Decoder(DatasetManifest)
+
+
+def publish(r: redis.Redis, manifest: DatasetManifest) -> None:
+    """Make a dataset's settings (its manifest) live for every running process."""
+    r.hset(rk.DATASETS, manifest.name, msgspec.json.encode(manifest))
+
+
+def published(r: redis.Redis) -> dict[str, DatasetManifest]:
+    """Every published dataset's manifest, by name (an unreadable entry is left out)."""
+    out = {}
+    for name, raw in r.hgetall(rk.DATASETS).items():
+        try:
+            manifest = _manifest.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        out[manifest.name] = manifest
+    return out
+
+
+def live_budgets(cfg: FleetConfig, r: redis.Redis) -> dict[str, int | None]:
+    """Datasets and their budgets as the fleet runs them now: the config's, then those enqueued
+    since; a published budget wins over the config's."""
+    live = published(r)
+    out = {d.name: (live[d.name].budget_tokens if d.name in live else d.budget_tokens) for d in cfg.datasets}
+    for name in sorted(live.keys() - out.keys()):
+        out[name] = live[name].budget_tokens
     return out

@@ -265,7 +265,7 @@ def cmd_status(args) -> int:
     from draftfleet.status import render, snapshot
 
     cfg = _config(args)
-    names = _datasets(args, cfg) if args.dataset else None
+    names = args.dataset or None  # checked by snapshot: datasets enqueued since the config changed count too
     r = _redis(args, cfg)
     if args.json:
         print(msgspec.json.encode(snapshot(cfg, r, names)).decode())

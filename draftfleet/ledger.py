@@ -104,6 +104,13 @@ local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'comple
 local committed, responses = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local sq, latency_ms = tonumber(f[3] or '0'), tonumber(f[4] or '0')
 local budget, expect, cap_tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
+-- the budget enqueue published last (assign.py) wins over the caller's, which may be a second old
+local live = redis.call('HGET', KEYS[7], ARGV[8])
+if live then
+  local b = cjson.decode(live)['budget_tokens']
+  if b == cjson.null then return 1 end  -- the budget was removed: nothing to reserve against
+  if b then budget = tonumber(b) end
+end
 local per_stream = 0
 if latency_ms > 0 then per_stream = committed / latency_ms end  -- tokens per ms of one stream
 local t = redis.call('TIME')
@@ -181,13 +188,21 @@ if live > 0 then
 end
 local room = budget - committed
 if room < expect then
-  redis.call('SET', KEYS[3], ARGV[2])
+  redis.call('SET', KEYS[3], budget)
   redis.call('DEL', KEYS[4])
   return 0
 end
 redis.call('HSET', KEYS[4], 'cap', math.floor(math.max(room / 2, expect)), 'admitted', expect)
 take()
 return 1
+"""
+
+# Empty a closed dataset's queue, unless an enqueue reopened it meanwhile (its new tasks stay).
+_PURGE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local n = redis.call('LLEN', KEYS[2])
+redis.call('DEL', KEYS[2])
+return n
 """
 
 ADMITTED, WAIT, REFUSED, CLOSED = 1, 2, 0, -1
@@ -206,6 +221,7 @@ class Ledger:
         self.r = client
         self._count = client.register_script(_COUNT_ONCE)
         self._admit = client.register_script(_ADMIT)
+        self._purge = client.register_script(_PURGE)
         self._release = client.register_script(_RELEASE)
         self._drop_dead = client.register_script(_DROP_DEAD)
 
@@ -245,11 +261,13 @@ class Ledger:
 
     def admit(self, dataset: str, key: str, budget: int, expected: int, max_tokens: int) -> int:
         """ADMITTED (reservation held), WAIT (no room unless what is in flight comes in short),
-        REFUSED (this call closed the dataset) or CLOSED. Needs the task's claim to be held."""
+        REFUSED (this call closed the dataset) or CLOSED. Needs the task's claim to be held.
+
+        ``budget`` counts only while the dataset has no published budget (assign.py)."""
         return int(self._admit(
             keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
-                  *self._reservation_index(dataset)],
-            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH],
+                  *self._reservation_index(dataset), rk.DATASETS],
+            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset],
         ))
 
     @staticmethod
@@ -277,6 +295,11 @@ class Ledger:
 
     def reopen(self, dataset: str) -> None:
         self.r.delete(rk.closed(dataset), rk.closing(dataset))
+
+    def purge_closed(self, dataset: str) -> int | None:
+        """Drop the queued tasks of a closed dataset: how many; None if it is open again."""
+        n = int(self._purge(keys=[rk.closed(dataset), rk.queue(dataset)]))
+        return None if n < 0 else n
 
     # -- reading ---------------------------------------------------------------------------
     def spend_usd(self, backend: str) -> float:

@@ -94,6 +94,10 @@ def assignment(dataset: str) -> str:
     return f"{PREFIX}assign:{dataset}"
 
 
+# Hash dataset -> its manifest (JSON), published by ``enqueue``: the live settings (assign.py).
+DATASETS = f"{PREFIX}datasets"
+
+
 def spend(backend: str) -> str:
     """Spend of a backend across datasets (hash: cost_micro_usd), checked against its cap."""
     return f"{PREFIX}spend:{backend}"

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from draftfleet import redis_keys as rk
-from draftfleet.assign import kinds_for
+from draftfleet.assign import kinds_for, live_budgets
 from draftfleet.ledger import Ledger
 from draftfleet.queues import depth, held
 from draftfleet.schemas.config import FleetConfig
@@ -106,7 +106,11 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
     now = time.time()
     ledger = Ledger(r)
     reports = worker_reports(r)
-    chosen = [cfg.dataset(n) for n in datasets] if datasets else list(cfg.datasets)
+    live = live_budgets(cfg, r)  # with datasets enqueued since this config was read (status --watch)
+    for n in datasets or ():
+        if n not in live:
+            cfg.dataset(n)  # the error names the datasets there are
+    chosen = [(n, live[n]) for n in (datasets or live)]
     if datasets:
         reports = [w for w in reports if not w.get("datasets") or set(w["datasets"]) & set(datasets)]
     workers = [
@@ -119,11 +123,11 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
     rows = []
     all_totals = ledger.all_totals()
     holding = held(r)
-    for ds in chosen:
-        inflight = sum(w.get("inflight", {}).get(ds.name, 0) for w in reports)
-        totals = all_totals.get(ds.name, {})
+    for dataset, budget in chosen:
+        inflight = sum(w.get("inflight", {}).get(dataset, 0) for w in reports)
+        totals = all_totals.get(dataset, {})
         names = sorted(totals)
-        rates = ledger.rates(ds.name, names, [60, 600], now) if names else {}
+        rates = ledger.rates(dataset, names, [60, 600], now) if names else {}
         backends = [
             BackendRow(backend=b, responses=t.get("responses", 0), completion_tokens=t.get("completion_tokens", 0),
                        cost_usd=t.get("cost_micro_usd", 0) / 1e6, tps_1m=round(rates[b][0], 1),
@@ -133,13 +137,12 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
         done = sum(b.completion_tokens for b in backends)
         responses = sum(b.responses for b in backends)
         tps_10m = sum(b.tps_10m for b in backends)
-        budget = ds.budget_tokens
         remaining = max(0, budget - done) if budget else None
-        queued, holds = depth(r, ds.name), holding.get(ds.name, 0)
-        closed = ledger.closed_at(ds.name) is not None
-        events = ledger.events(ds.name)
+        queued, holds = depth(r, dataset), holding.get(dataset, 0)
+        closed = ledger.closed_at(dataset) is not None
+        events = ledger.events(dataset)
         rows.append(DatasetRow(
-            dataset=ds.name, assigned=sorted(kinds_for(r, ds.name)), queue_depth=queued, held=holds,
+            dataset=dataset, assigned=sorted(kinds_for(r, dataset)), queue_depth=queued, held=holds,
             inflight=inflight, responses=responses, completion_tokens=done,
             budget_tokens=budget, share_done=round(done / budget, 4) if budget else None, remaining_tokens=remaining,
             closed=closed, finished=not closed and responses > 0 and queued + holds == 0,

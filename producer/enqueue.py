@@ -23,6 +23,7 @@ import redis
 from celery import Celery
 
 from draftfleet import redis_keys as rk
+from draftfleet.assign import publish, published
 from draftfleet.identity import prompt_key, settings_id
 from draftfleet.ledger import Ledger
 from draftfleet.queues import queued_keys
@@ -120,6 +121,10 @@ def check_manifest(store: Store, cfg: FleetConfig, ds: DatasetConfig, new_versio
     return manifest
 
 
+def _raised(budget: int | None, than: int | None) -> bool:
+    return than is not None and (budget is None or budget > than)
+
+
 def prompt_messages(ds: DatasetConfig, row: PromptRow) -> list[Message]:
     """What is sent: the row's turns, with the dataset's system prompt when the row has none."""
     if ds.system_prompt and not any(m.role == "system" for m in row.messages):
@@ -144,10 +149,16 @@ def enqueue_dataset(
     manifest = check_manifest(store, cfg, ds, new_version)
     summary = EnqueueSummary(dataset=ds.name, version=manifest.version)
     ledger = Ledger(r)
+    # Published before the dataset is reopened, reopened before anything is sent: running workers'
+    # admission reads the budget published here, so none closes it again at the old budget.
+    before = published(r).get(ds.name)
+    publish(r, manifest)
     closed_at = ledger.closed_at(ds.name)
-    if closed_at is not None and (ds.budget_tokens is None or ds.budget_tokens > closed_at):
+    if closed_at is not None and _raised(ds.budget_tokens, closed_at):
         ledger.reopen(ds.name)  # the budget was raised (or removed): the dataset takes work again
         closed_at = None
+    elif closed_at is None and before is not None and _raised(ds.budget_tokens, before.budget_tokens):
+        ledger.reopen(ds.name)  # raised while closing rounds ran: admission starts afresh
     summary.closed = closed_at is not None
     done = store.keys(ds.name)
     queued = queued_keys(r, ds.name)

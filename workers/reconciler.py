@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 from draftfleet import redis_keys as rk
+from draftfleet.assign import live_budgets
 from draftfleet.broker import connect, redact, resolve_redis_url
 from draftfleet.reconcile import Reconciler
 from draftfleet.schemas.config import FleetConfig
@@ -31,13 +32,13 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
     url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
     r = connect(url)
     reconciler = Reconciler(Store(cfg.fleet.store), r)
-    names = [d.name for d in cfg.datasets]
     app = make_app(url, cfg.fleet.visibility_timeout_s)
     app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"  # only fleet tasks run; others dead-lettered
 
     @app.task(name=RECONCILE_TASK, ignore_result=True, acks_late=False)
     def reconcile():
-        for drift in reconciler.reconcile_all(names):
+        # the datasets as they are now: also those enqueued since this process started
+        for drift in reconciler.reconcile_all(list(live_budgets(cfg, r))):
             if drift.corrections or drift.newly_counted or drift.counted_not_stored or drift.unreadable:
                 log.warning("%s: drift corrected %s; %d stored keys were uncounted; %d counted keys missing from "
                             "the store; %d unreadable records", drift.dataset, drift.corrections, drift.newly_counted,

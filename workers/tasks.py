@@ -27,7 +27,7 @@ from celery.exceptions import Reject
 from kombu.exceptions import OperationalError
 
 from draftfleet import redis_keys as rk
-from draftfleet.assign import assigned
+from draftfleet.assign import assigned, published
 from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
 from draftfleet.recovery import Recovery
@@ -45,7 +45,7 @@ log = logging.getLogger("draftfleet.worker")
 CLAIM_TTL_S = max(6, int(os.environ.get("DRAFTFLEET_CLAIM_TTL_S", "120")))
 HEARTBEAT_S = CLAIM_TTL_S / 6
 ASSIGNMENT_POLL_S = 1.0
-ADMISSION_WAIT_S = 0.25
+ADMISSION_WAIT_S = 1.0
 IDLE_QUEUE = rk.QUEUE_PREFIX + "_idle"
 STORE_ATTEMPTS = 8
 INFRA_RETRY_S = 5.0
@@ -63,7 +63,7 @@ class Runtime:
     """Per-process worker state: the backend, the store, Redis, its claims and its queues."""
 
     def __init__(self, app: Celery, cfg: FleetConfig, store: Store, r: redis.Redis, backend: Backend,
-                 hostname: str, datasets: list[str], pause_s: float):
+                 hostname: str, datasets: list[str], pause_s: float, follow_all: bool = False):
         self.app = app
         self.cfg = cfg
         self.store = store
@@ -83,11 +83,14 @@ class Runtime:
         self.inflight: dict[str, int] = {}
         self.paused: str | None = None
         self._stop = threading.Event()
-        self.allowed: set[str] = assigned(r, datasets, self.kind)
+        self.follow_all = follow_all  # started without --dataset: follows every dataset enqueued
+        self.budgets: dict[str, int | None] = {d.name: d.budget_tokens for d in cfg.datasets}
+        self.held: dict[str, float] = {}  # dataset -> when this worker takes its tasks again
+        self.allowed: set[str] = set()
+        self.refresh()
         self.consuming: set[str] = {rk.queue(d) for d in self.allowed}
         self._consumer = None
         self.spend_cap = cfg.clouds[backend.name].max_spend_usd if backend.kind == "cloud" else None
-        self.budgets = {d.name: d.budget_tokens for d in cfg.datasets if d.budget_tokens}
         self._settings: dict[str, list[GenerationSettings]] = {}
 
     def refuse(self, task: PromptTask, queue: str) -> str | None:
@@ -186,21 +189,46 @@ class Runtime:
             pass
 
     # -- consuming: assignment and pauses --------------------------------------------------
+    def refresh(self) -> None:
+        """Read the live dataset settings (assign.py): the datasets followed, their budgets, and
+        which of them this kind may consume now. Nothing needs a restart."""
+        live = published(self.r)
+        if self.follow_all:
+            for name in sorted(live.keys() - set(self.datasets)):
+                log.warning("following dataset %s (enqueued while this worker runs)", name)
+                self.datasets = [*self.datasets, name]
+        for name in self.datasets:
+            if name in live:
+                self.budgets[name] = live[name].budget_tokens
+        self.allowed = assigned(self.r, self.datasets, self.kind)
+
     def _watch(self) -> None:
         while not self._stop.wait(ASSIGNMENT_POLL_S):
+            before = self.allowed
             try:
-                self.allowed = assigned(self.r, self.datasets, self.kind)
+                self.refresh()
             except redis.RedisError:
-                continue  # keep the last known assignment while Redis is away
+                continue  # keep the last known settings while Redis is away
             self.sync()
+            if self.allowed != before:
+                self.heartbeat()  # status shows the change now, not at the next beat
+
+    def hold(self, dataset: str) -> None:
+        """Leave a dataset's queue alone for ``ADMISSION_WAIT_S`` (its admission waits for what is
+        in flight), so the slots go to the worker's other datasets meanwhile."""
+        with self._lock:
+            self.held[dataset] = time.monotonic() + ADMISSION_WAIT_S
+        self.sync()
 
     def sync(self) -> None:
-        """Make the consumer follow the assignment (nothing while paused)."""
+        """Make the consumer follow the assignment (nothing while paused, no held dataset)."""
         consumer = self._consumer
         if consumer is None:
             return
+        now = time.monotonic()
         with self._lock:
-            desired = set() if self.paused else {rk.queue(d) for d in self.allowed}
+            held = {d for d, until in self.held.items() if until > now}
+            desired = set() if self.paused else {rk.queue(d) for d in self.allowed - held}
             add, cancel = desired - self.consuming, self.consuming - desired
             self.consuming = desired
         for q in sorted(add):
@@ -373,26 +401,26 @@ def _store(rt: Runtime, record: ResponseRecord) -> bool:
 def _admit(rt: Runtime, task: PromptTask) -> bool:
     """Reserve the dataset's expected tokens; False once its budget is reached (task skipped).
 
-    Near the budget a task waits here (holding its slot, its message unacked) until what is in
-    flight settles: then it is admitted, or the dataset closes.
+    Near the budget, admission waits until what is in flight settles. A task told to wait does
+    not keep its slot meanwhile: it goes back to its queue (unstarted), and this worker leaves the
+    dataset's queue alone for a moment, so its other datasets go on.
     """
     budget = rt.budgets.get(task.dataset)
     if budget is None:
         return True
-    while True:
-        expected = rt.ledger.expected_tokens(task.dataset, task.settings.max_tokens)
-        verdict = rt.ledger.admit(task.dataset, task.key, budget, expected, task.settings.max_tokens)
-        if verdict == ADMITTED:
-            return True
-        if verdict != WAIT:
-            break
-        if rt.paused:
-            raise Reject(f"worker paused: {rt.paused}", requeue=True)
-        time.sleep(ADMISSION_WAIT_S)
+    expected = rt.ledger.expected_tokens(task.dataset, task.settings.max_tokens)
+    verdict = rt.ledger.admit(task.dataset, task.key, budget, expected, task.settings.max_tokens)
+    if verdict == ADMITTED:
+        return True
+    if verdict == WAIT:
+        rt.hold(task.dataset)
+        raise Reject(f"{task.dataset}: admission waits for what is in flight", requeue=True)
     if verdict == REFUSED:
-        purged = rt.r.llen(rk.queue(task.dataset))
-        rt.r.delete(rk.queue(task.dataset))
-        log.warning("%s reached its budget of %d tokens: closed; %d queued tasks purged", task.dataset, budget, purged)
+        purged = rt.ledger.purge_closed(task.dataset)
+        if purged is None:  # an enqueue reopened it meanwhile (a raised budget): its tasks stay
+            raise Reject(f"{task.dataset} was reopened", requeue=True)
+        log.warning("%s reached its budget of %s tokens: closed; %d queued tasks purged", task.dataset,
+                    rt.ledger.closed_at(task.dataset), purged)
         rt.ledger.event(task.dataset, "skipped:budget", purged)
     rt.ledger.event(task.dataset, "skipped:budget")
     return False

@@ -203,7 +203,8 @@ def run_worker(
         register(app)
         store = Store(cfg.fleet.store)
         store.prepare()
-        rt = Runtime(app, cfg, store, r, backend, hostname, names, pause_s)
+        # Without --dataset a worker follows every dataset, also those enqueued while it runs.
+        rt = Runtime(app, cfg, store, r, backend, hostname, names, pause_s, follow_all=not datasets)
         install(rt)
         rt.start()
         if server is not None:
