@@ -10,8 +10,10 @@ worker makes of it: exact ids, the engine's message, and whose fault a failure i
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 import threading
+import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -22,7 +24,7 @@ from draftfleet.workers.backends import Halt, Permanent, Transient
 from draftfleet.workers.engine import ServerDown
 from draftfleet.workers.vllm import VLLMClient
 
-from .conftest import free_port, parse_cli, run_cli
+from .conftest import REPO, free_port, parse_cli, run_cli
 
 FLEET = {"store": "store", "model": "m"}
 
@@ -306,3 +308,30 @@ def test_the_key_comes_from_the_named_variable_and_is_sent_as_bearer(fake, targe
         assert fake.auth and set(fake.auth) == {"Bearer vllm-secret-42"}
     finally:
         c.close()
+
+
+# -- the documented examples ----------------------------------------------------------------------
+
+
+def _uncomment_vllm(text: str) -> str:
+    """The text with its commented ``[backends.vllm]`` example switched on."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# [backends.vllm]"))
+    for i in range(start, len(lines)):
+        m = re.match(r"# (\[backends\.vllm[\w.]*\].*|\w+ = .*)$", lines[i])
+        if not m:
+            break
+        lines[i] = m.group(1)
+    return "\n".join(lines)
+
+
+def test_the_examples_vllm_block_is_a_valid_config():
+    example = REPO / "examples" / "fleet.toml"
+    cfg = parse_config(tomllib.loads(_uncomment_vllm(example.read_text())), str(example))
+    assert cfg.vllm is not None and cfg.vllm.urls and cfg.vllm.launch is not None
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"```toml\n(\[fleet\].*?)```", readme, re.S).group(1)
+    cfg = parse_config(tomllib.loads(_uncomment_vllm(block)), "README.md")
+    assert cfg.vllm is not None and cfg.vllm.launch.tp == 8
+    with pytest.raises(ConfigError, match="both"):
+        cfg.engine()
