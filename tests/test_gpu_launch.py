@@ -112,3 +112,124 @@ def test_one_worker_and_server_per_gpu(tmp_path, redis_server, tokenizer_dir):
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
             s.bind(("127.0.0.1", port))
+
+
+FAKE_VLLM = textwrap.dedent(
+    """
+    import argparse, json, os, sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    p = argparse.ArgumentParser()
+    p.add_argument("command", choices=["serve"])
+    p.add_argument("model")
+    for flag in ("--host", "--port", "--tensor-parallel-size"):
+        p.add_argument(flag, required=True)
+    args, _ = p.parse_known_args()
+    marks = os.environ["FAKE_SGLANG_DIR"]
+    with open(os.path.join(marks, f"gpu{os.environ['CUDA_VISIBLE_DEVICES']}.json"), "w") as f:
+        json.dump({"cuda": os.environ["CUDA_VISIBLE_DEVICES"], "port": args.port, "argv": sys.argv[1:]}, f)
+    EOT = int(os.environ["FAKE_EOT"])
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, payload):
+            raw = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            self._send({"data": [{"id": "served/" + args.model}]} if self.path == "/v1/models" else {})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids = body["prompt"][-6:] + [EOT]  # a reply that says which prompt it answers
+            with open(os.path.join(marks, f"requests-{args.port}.jsonl"), "a") as f:
+                f.write(json.dumps(body) + "\\n")
+            self._send({"choices": [{"index": 0, "text": "x", "finish_reason": "stop", "stop_reason": None,
+                                     "token_ids": ids, "prompt_token_ids": body["prompt"]}],
+                        "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(ids)}})
+
+        def log_message(self, *a):
+            pass
+
+    ThreadingHTTPServer((args.host, int(args.port)), Handler).serve_forever()
+    """
+)
+
+
+def test_engine_vllm_one_worker_and_vllm_serve_per_gpu(tmp_path, redis_server, tokenizer_dir, target_tokenizer):
+    """``--engine vllm --gpu 0,1`` with both engines configured: the engine reaches every child,
+    each launches ``vllm serve`` (the script beside the configured python) on its GPU and port.
+    The stand-in answers like vLLM with ids derived from the prompt, so the stored ids show which
+    prompt ids the worker sent."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "vllm").write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
+    (bin_dir / "vllm").chmod(0o755)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    base = _free_pair()
+    data = write_jsonl(tmp_path / "d.jsonl", _chat_rows(30))
+    config = tmp_path / "fleet.toml"
+    config.write_text(textwrap.dedent(f"""
+        [fleet]
+        store = "{tmp_path / 'store'}"
+        model = "test/chatml"
+        tokenizer = "{tokenizer_dir}"
+
+        [[datasets]]
+        name = "ds"
+        path = "{data}"
+        max_tokens = 64
+
+        [backends.sglang]
+        urls = ["http://127.0.0.1:1"]
+
+        [backends.vllm]
+        inflight = 8
+        request_timeout_s = 30.0
+
+        [backends.vllm.launch]
+        model_path = "/models/tiny"
+        port_base = {base}
+        python = "{bin_dir / 'python'}"
+        extra_args = ["--max-model-len", "2048"]
+        startup_timeout_s = 60.0
+    """))
+    env = {"REDIS_URL": redis_server.url, "PYTHONPATH": str(REPO), "FAKE_SGLANG_DIR": str(marks),
+           "FAKE_EOT": str(target_tokenizer.eot_id), "PATH": "/usr/bin:/bin"}
+    log = open(tmp_path / "workers.log", "wb")
+    parent = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", str(config),
+                               "--engine", "vllm", "--gpu", "0,1"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                              cwd=REPO)
+    try:
+        r = redis_server.client()
+        logs = lambda: (tmp_path / "workers.log").read_text(errors="replace")[-5000:]  # noqa: E731
+        wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 2, 90, 0.2, f"two workers\n{logs()}")
+        assert _enqueue(config, redis_server.url)[0]["queued"] == 30
+        store = Store(load_config(config).fleet.store)
+        wait_until(lambda: len(store.keys("ds")) == 30, 60, 0.2, f"30 results\n{logs()}")
+        servers = {json.loads(p.read_text())["cuda"]: json.loads(p.read_text()) for p in marks.glob("gpu*.json")}
+        assert {k: int(v["port"]) for k, v in servers.items()} == {"0": base, "1": base + 1}
+        assert servers["1"]["argv"] == ["serve", "/models/tiny", "--host", "127.0.0.1", "--port", str(base + 1),
+                                        "--tensor-parallel-size", "1", "--max-model-len", "2048"]
+        records = list(store.records("ds"))
+        assert Counter(rec.worker.split("@")[0] for rec in records).keys() == {"gpu0", "gpu1"}
+        for rec in records:
+            prompt = target_tokenizer.prompt_ids(rec.messages)
+            assert rec.output_ids == prompt[-6:] + [target_tokenizer.eot_id]
+            assert (rec.backend, rec.model, rec.token_source, rec.prompt_tokens) == ("vllm", "served//models/tiny",
+                                                                                     "exact", len(prompt))
+        sent = [json.loads(line) for port in (base, base + 1) for line in (marks / f"requests-{port}.jsonl").open()]
+        assert len(sent) == 30 and all(b["return_token_ids"] and b["stop_token_ids"] == [target_tokenizer.eot_id]
+                                       for b in sent)
+    finally:
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(60)
+    for port in (base, base + 1):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
