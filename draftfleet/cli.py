@@ -489,10 +489,11 @@ def cmd_export(args) -> int:
         err.print(f"[red]error[/]: unknown dataset(s) {', '.join(unknown)}: {root} has "
                   + (", ".join(known) or "no datasets"), highlight=False)
         return 1
-    tok = _optional_tokenizer(args, cfg) if ("tokens" in args.format or args.exclude_invalid) else None
+    tok = _optional_tokenizer(args, cfg)  # also tells the manifest which answers' reasoning the template renders
     try:
         manifests = [export_dataset(store, name, args.out, args.format, exclude_truncated=args.exclude_truncated,
-                                    exclude_invalid=args.exclude_invalid, tokenizer=tok) for name in names]
+                                    exclude_invalid=args.exclude_invalid, include_truncated=args.include_truncated,
+                                    tokenizer=tok) for name in names]
     except ExportError as exc:
         err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
         return 1
@@ -502,7 +503,9 @@ def cmd_export(args) -> int:
     for m in manifests:
         out.print(f"exported {m.records:,} records of {m.dataset} to {args.out}: "
                   + ", ".join(m.files) + f" (excluded: {m.excluded_truncated} truncated, "
-                  f"{m.excluded_invalid} invalid)", highlight=False)
+                  f"{m.excluded_invalid} invalid; {m.truncated_left_out} cut turns left out of sharegpt)", highlight=False)
+        for note in m.notes:
+            out.print(f"  note: {note}", highlight=False)
     return 0
 
 
@@ -655,7 +658,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "rows (repeatable)")
     sp.add_argument("--out", required=True,
                     help="folder for <dataset>.<format>.jsonl and <dataset>.manifest.json (other datasets' files stay)")
-    sp.add_argument("--exclude-truncated", action="store_true", help="leave out responses cut at max_tokens")
+    sp.add_argument("--exclude-truncated", action="store_true", help="leave out responses cut at max_tokens (every format)")
+    sp.add_argument("--include-truncated", action="store_true",
+                    help="keep answers cut at max_tokens in the sharegpt conversations (left out by default: a trainer "
+                    "would close them with an end-of-turn the model never wrote); raw and tokens always keep them")
     sp.add_argument("--exclude-invalid", action="store_true",
                     help="leave out records with no ids, ids outside the vocabulary, or a stop without end-of-turn")
     sp.add_argument("--tokenizer", help="tokenizer folder (default [fleet].tokenizer); needed by -f tokens")

@@ -1,9 +1,12 @@
 """The identity of a prompt: one key function for the whole fleet.
 
 A key is the sha256 of the dataset name, the canonical prompt content and the settings that
-define the response (model, max_tokens, temperature, top_p, system prompt). Same prompt under
-the same settings → same key, on any machine, in any run: that is what makes resume and
-de-duplication work without any state but the store.
+define the response (model, max_tokens, temperature, top_p, system prompt, and ``turns`` when it
+is ``"all"``: left out at its default so that keys made before it existed stay valid). A
+multi-turn prompt's content is its system and user turns with a mark where each answer goes
+(an empty assistant message), so the key covers every user turn and where the answers fall.
+Same prompt under the same settings → same key, on any machine, in any run: that is what makes
+resume and de-duplication work without any state but the store.
 """
 
 from __future__ import annotations
@@ -18,9 +21,16 @@ from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
+def _canonical(settings: GenerationSettings) -> dict:
+    fields = msgspec.structs.asdict(settings)
+    if settings.turns == "first":
+        del fields["turns"]
+    return fields
+
+
 def settings_id(settings: GenerationSettings) -> str:
     """Short stable id of a settings block (recorded in manifests and records)."""
-    return hashlib.sha256(_encoder.encode(settings)).hexdigest()[:16]
+    return hashlib.sha256(_encoder.encode(_canonical(settings))).hexdigest()[:16]
 
 
 def prompt_key(dataset: str, messages: list[Message], settings: GenerationSettings) -> str:
@@ -29,7 +39,7 @@ def prompt_key(dataset: str, messages: list[Message], settings: GenerationSettin
         {
             "dataset": dataset,
             "messages": [[m.role, m.content] for m in messages],
-            "settings": settings,
+            "settings": _canonical(settings),
         }
     )
     return hashlib.sha256(canonical).hexdigest()
@@ -46,6 +56,9 @@ def task_problem(task: PromptTask, allowed: Collection[GenerationSettings]) -> s
     if task.settings not in allowed:
         return (f"settings {_encoder.encode(task.settings).decode()} are not the dataset's "
                 f"({', '.join(_encoder.encode(s).decode() for s in allowed) or 'none known'})")
+    marks = [m for m in task.messages if m.role == "assistant"]
+    if marks and (task.settings.turns != "all" or any(m.content or m.reasoning for m in marks)):
+        return "assistant turns in a task must be empty marks of a multi-turn dataset (turns = \"all\")"
     if task.settings_id != settings_id(task.settings):
         return f"settings_id {task.settings_id!r} does not match the settings"
     if task.key != prompt_key(task.dataset, task.messages, task.settings):

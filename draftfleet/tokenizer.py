@@ -20,6 +20,7 @@ import re
 import stat
 import threading
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from draftfleet.schemas.config import FleetSection
 from draftfleet.schemas.records import Message
@@ -198,7 +199,14 @@ class TargetTokenizer:
 
     @staticmethod
     def _dicts(messages: Sequence[Message]) -> list[dict]:
-        return [{"role": m.role, "content": m.content} for m in messages]
+        """Messages as the chat template reads them; an answer's reasoning as ``reasoning_content``."""
+        out = []
+        for m in messages:
+            d = {"role": m.role, "content": m.content}
+            if m.reasoning is not None:
+                d["reasoning_content"] = m.reasoning
+            out.append(d)
+        return out
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         """The chat template's text; the flag is always passed (Kimi's default adds the prompt)."""
@@ -329,6 +337,50 @@ class TargetTokenizer:
             return answer[:i] + _REASONING + answer[i:]
         i = len(os.path.commonprefix([answer, gen]))
         return answer[:i] + open_ + _REASONING + close + answer[i:]
+
+    def split_reasoning(self, messages: Sequence[Message], output_ids: Sequence[int]) -> tuple[str, str | None]:
+        """An engine's answer as (content, reasoning), split as the cloud APIs split a thinking model's.
+
+        The ids are decoded with their markup (the end-of-turn id dropped) and read against the
+        template's own answer form (:meth:`_skeleton`), so that rendering the parts again through
+        the template gives back the generated text; an answer off that form is split at the
+        reasoning markers (the prompt may have opened the block already: Kimi-K2.5), each part then
+        stripped as the template strips it. No markers: all content, no reasoning.
+        """
+        ids = list(output_ids)
+        if ids and ids[-1] == self.eot_id:
+            ids.pop()
+        text = self.decode(ids, skip_special=False)
+        if self.reasoning_markers is None:
+            return text, None
+        skeleton, strips = self._skeleton(messages, True)
+        pieces = _SLOTS.split(skeleton)
+        pattern = "".join({_REASONING: "(?P<r>.*?)", _CONTENT: "(?P<c>.*)"}[p] if n % 2 else re.escape(p)
+                          for n, p in enumerate(pieces))
+        if (m := re.fullmatch(pattern, text, re.DOTALL)) and m.group("r") is not None and m.group("c") is not None:
+            return m.group("c"), m.group("r")
+        open_, close = self.reasoning_markers
+        if self.prompt_text(messages).endswith(open_):
+            body = text
+        elif text.lstrip().startswith(open_):
+            body = text.lstrip()[len(open_):]
+        else:
+            return text, None
+        reasoning, found, content = body.partition(close)
+        if not found:  # cut off while reasoning
+            return "", _strip(body, strips.get(_REASONING, (None, None)))
+        return _strip(content, strips[_CONTENT]), _strip(reasoning, strips.get(_REASONING, (None, None)))
+
+    def reasoning_in_conversations(self) -> Literal["all", "last", "none"]:
+        """Which answers' reasoning the chat template renders in a whole conversation (what a
+        trainer renders): every turn's, the last turn's only (Qwen3), or none (Kimi-K2.5 blanks it)."""
+        turns: list[dict] = []
+        for n in (1, 2):
+            turns += [{"role": "user", "content": f"question {n}"},
+                      {"role": "assistant", "content": f"{_CONTENT}{n}", "reasoning_content": f"{_REASONING}{n}"}]
+        text = self._render(turns, False)
+        first, last = f"{_REASONING}1" in text, f"{_REASONING}2" in text
+        return "all" if first and last else "last" if last else "none"
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         with self._lock:

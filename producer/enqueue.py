@@ -200,6 +200,7 @@ def enqueue_dataset(
             task = PromptTask(
                 key=key, dataset=ds.name, source=item.source, messages=messages,
                 settings=manifest.settings, settings_id=manifest.settings_id, enqueued_at=time.time(),
+                row_id=item.row_id,
             )
             # The task id is the key: queued keys can then be read from message headers alone.
             sender.send(key, msgspec.to_builtins(task), argsrepr=f"[{item.source!r}]")

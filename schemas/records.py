@@ -17,11 +17,17 @@ TokenSource = Literal["exact", "retokenized"]
 BackendKind = Literal["gpu", "cloud"]
 
 
-class Message(msgspec.Struct, frozen=True):
-    """One chat turn of a prompt."""
+class Message(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One chat turn of a prompt.
+
+    In a task, an ``assistant`` message with empty content only marks where the target answers
+    (multi-turn datasets); the dataset's own answers are never kept. ``reasoning`` is set on the
+    fleet's regenerated answers when they become the history of the next turn.
+    """
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    reasoning: str | None = None
 
 
 class GenerationSettings(msgspec.Struct, frozen=True):
@@ -32,6 +38,9 @@ class GenerationSettings(msgspec.Struct, frozen=True):
     temperature: float
     top_p: float
     system_prompt: str | None = None
+    # "first": answer the turns before the first assistant turn; "all": regenerate every assistant
+    # turn of the conversation. Left out of the key while it is the default (identity.py).
+    turns: Literal["first", "all"] = "first"
 
 
 class PromptTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -50,6 +59,7 @@ class PromptTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enqueued_at: float
     v: int = SCHEMA_VERSION
     deferrals: int = 0
+    row_id: str | None = None  # the row's own id in the dataset (not part of the key)
 
 
 class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -64,12 +74,58 @@ class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
     is_byok: bool | None = None
 
 
+class Turn(msgspec.Struct, frozen=True, kw_only=True):
+    """One regenerated assistant turn of a conversation (datasets with ``turns = "all"``).
+
+    ``prompt_ids`` are the target template's render of the conversation so far with the fleet's
+    own earlier answers (what an engine received); ``output_ids`` as in :class:`ResponseRecord`.
+    Each turn keeps the backend that made it: a conversation may move between workers.
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    reasoning: str | None = None
+    finish_reason: str
+    truncated: bool
+    prompt_tokens: int
+    completion_tokens: int
+    backend: str
+    backend_kind: BackendKind
+    model: str
+    token_source: TokenSource
+    usage: Usage
+    cost_usd: float
+    cost_source: Literal["provider", "price_table", "none"]
+    latency_s: float
+    attempts: int
+    worker: str
+    created_at: float
+    retry_reasons: list[str] = []
+
+
+class TurnProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """The completed turns of a conversation still being generated, kept in the store so that a
+    worker's death or a retry never pays for a completed turn twice."""
+
+    schema_version: int = SCHEMA_VERSION
+    key: str
+    dataset: str
+    turns: list[Turn]
+
+
 class ResponseRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The one stored result of a prompt: ``<store>/<dataset>/<key[:2]>/<key>.json``.
 
     ``output_ids`` run through the end-of-turn token when the generation stopped; for
     ``exact`` records they are SGLang's own ids, for ``retokenized`` ones the target tokenizer's
-    encoding of the returned text. ``completion_tokens`` is ``len(output_ids)``.
+    encoding of the returned text. A thinking model's reasoning is in ``reasoning``, its answer in
+    ``text``, for both kinds. ``completion_tokens`` is ``len(output_ids)``.
+
+    A conversation (``turns`` non-empty) holds every regenerated turn; the top-level answer
+    fields are its last turn's, and the counts, cost, usage and attempts are the sums over its
+    turns. A turn cut by ``max_tokens`` ends the conversation: ``truncated`` is then true and the
+    conversation has fewer turns than user turns.
     """
 
     schema_version: int = SCHEMA_VERSION
@@ -98,6 +154,8 @@ class ResponseRecord(msgspec.Struct, frozen=True, kw_only=True):
     worker: str
     created_at: float
     retry_reasons: list[str] = []
+    row_id: str | None = None  # the row's own id in the dataset
+    turns: list[Turn] = []
 
 
 class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -156,3 +214,35 @@ class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True):
     at: float
     line_bytes: int | None = None
     line_sha256: str | None = None
+
+
+class CaptureTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One hidden-state capture: the Celery payload of ``draftfleet.capture``.
+
+    The unit is (record key, turn): the worker reads the stored record and feeds the engine exactly
+    its ids. At-least-once like generation; the store keeps one file per (version, key, turn).
+    """
+
+    dataset: str
+    key: str
+    turn: int
+    version: int
+    v: int = SCHEMA_VERSION
+
+
+class CaptureManifest(msgspec.Struct, frozen=True, kw_only=True):
+    """The settings one capture version of a dataset was made with; every file of it shares them.
+
+    ``layer_ids`` are vLLM's (id k: the residual stream entering decoder layer k; the last id,
+    the number of layers, is the last layer's output before the final norm)."""
+
+    schema_version: int = SCHEMA_VERSION
+    dataset: str
+    version: int
+    model: str
+    model_config_sha256: str
+    num_layers: int
+    hidden_size: int
+    layer_ids: list[int]
+    dtype: Literal["bfloat16"] = "bfloat16"
+    created_at: float

@@ -3,7 +3,9 @@
 The prompt goes in as ``input_ids`` built with the target tokenizer's chat template, so the ids
 the model saw are the ids we record. SGLang's own ``output_ids`` are stored (``exact``); when the
 server omits the matched end-of-turn id from them, it is appended so every stopped record ends
-with it. Many requests are kept open at once by the worker's threads: SGLang batches them.
+with it. A thinking model's text is split into reasoning and answer at its template's markers, as
+the cloud APIs split it (``TargetTokenizer.split_reasoning``), so both kinds of record read alike.
+Many requests are kept open at once by the worker's threads: SGLang batches them.
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ class SGLangClient(EngineClient):
         elif ftype != "length":
             raise Transient("finish_" + str(ftype), "unexpected finish_reason")
         prompt_tokens = int(meta.get("prompt_tokens") or len(input_ids))
+        text, reasoning = self.tokenizer.split_reasoning(task.messages, ids)
         return Generation(
-            text=str(out.get("text", "")),
+            text=text,
+            reasoning=reasoning,
             output_ids=ids,
             prompt_tokens=prompt_tokens,
             finish_reason=ftype,

@@ -463,7 +463,7 @@ def execute(task_self, payload: object) -> str:
             completion_tokens=len(gen.output_ids), finish_reason=gen.finish_reason, truncated=gen.truncated,
             backend=rt.backend.name, backend_kind=rt.backend.kind, model=gen.model, token_source=gen.token_source,
             usage=gen.usage, cost_usd=gen.cost_usd, cost_source=gen.cost_source, latency_s=round(latency, 4),
-            attempts=attempts, retry_reasons=reasons, worker=rt.hostname, created_at=time.time(),
+            attempts=attempts, retry_reasons=reasons, worker=rt.hostname, created_at=time.time(), row_id=task.row_id,
         )
         if not _store(rt, record):
             # A twin stored the key while we generated; ours was paid for all the same.

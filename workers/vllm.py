@@ -2,7 +2,8 @@
 
 The worker renders the chat template itself (the same prompt ids as the SGLang path) and sends
 them as the prompt; ``return_token_ids`` makes vLLM answer with the ids it generated, which are
-stored as they come (``exact``): on a stop the stop token is the last of them. vLLM also echoes
+stored as they come (``exact``): on a stop the stop token is the last of them; the text is split
+into reasoning and answer as for SGLang. vLLM also echoes
 the prompt ids it ran; anything but the ids sent means the server re-tokenized, and the worker
 pauses rather than store ids that do not belong together. Shapes: FORMATS.md, "vLLM".
 """
@@ -70,8 +71,10 @@ class VLLMClient(EngineClient):
         ids = [int(i) for i in ids]
         usage = out.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
+        text, reasoning = self.tokenizer.split_reasoning(task.messages, ids)
         return Generation(
-            text=str(choice.get("text") or ""),
+            text=text,
+            reasoning=reasoning,
             output_ids=ids,
             prompt_tokens=len(input_ids),
             finish_reason=finish,
