@@ -8,6 +8,8 @@ keys already queued; nothing else needs to be remembered, so nothing can go stal
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import redis
 
@@ -50,6 +52,26 @@ def queued_keys(r: redis.Redis, dataset: str, batch: int = 5000) -> set[str]:
             keys.add(env.headers.id)
     keys.discard("")
     return keys
+
+
+def claimed_keys(r: redis.Redis, dataset: str) -> set[str]:
+    """Keys a running worker is generating now (it holds their claims)."""
+    prefix = rk.claim(dataset, "")
+    return {k.decode()[len(prefix):] for k in r.scan_iter(match=prefix + "*", count=1000)}
+
+
+def await_lost_claims(r: redis.Redis) -> bool:
+    """When Redis lost its state (``rk.STATE`` is gone), wait until running workers have put back
+    the claims of what they are generating, so that it is not sent again; True if it waited.
+
+    Each live worker looks for the marker every ``STATE_POLL_S`` and beats at once when it is gone
+    (claims first, then the marker), so two polls and a margin cover every one of them.
+    """
+    if r.exists(rk.STATE):
+        return False
+    time.sleep(2 * rk.STATE_POLL_S + 1.0)
+    r.set(rk.STATE, 1)
+    return True
 
 
 def depth(r: redis.Redis, dataset: str) -> int:

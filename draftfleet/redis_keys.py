@@ -109,6 +109,11 @@ def events(dataset: str) -> str:
 
 
 DEAD_LETTER = f"{PREFIX}dead_letter"
+# Set by every worker heartbeat (after it has put its claims back) and by enqueue. Absent means
+# Redis lost its state (or is new): workers, which look every STATE_POLL_S, beat at once to put
+# their claims back, and enqueue waits for them before deciding what to send again.
+STATE = f"{PREFIX}state"
+STATE_POLL_S = 0.5
 # Held (SET NX EX) by the worker sweeping ``unacked`` for a dead worker's messages (recovery.py).
 RECOVERY_LOCK = f"{PREFIX}recovery_lock"
 WORKERS = f"{PREFIX}workers"

@@ -140,8 +140,17 @@ class Runtime:
             pass  # the claim expires on its own
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            self.heartbeat()
+        """A heartbeat every HEARTBEAT_S, and at once when Redis lost its state (``rk.STATE`` gone), so
+        that the claims are back before an enqueue into the emptied Redis decides what to send again."""
+        due = time.monotonic() + HEARTBEAT_S
+        while not self._stop.wait(rk.STATE_POLL_S):
+            try:
+                lost = not self.r.exists(rk.STATE)
+            except redis.RedisError:
+                lost = False  # the heartbeat says so when it is due
+            if lost or time.monotonic() >= due:
+                self.heartbeat()
+                due = time.monotonic() + HEARTBEAT_S
 
     def heartbeat(self) -> None:
         """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""
@@ -152,6 +161,7 @@ class Runtime:
             pipe = self.r.pipeline(transaction=False)
             for key, token in claims:  # re-created if Redis lost it, never taken from another holder
                 self._refresh(keys=[key], args=[token, CLAIM_TTL_S], client=pipe)
+            pipe.set(rk.STATE, 1)  # after the claims: once it is back, so are they (queues.await_lost_claims)
             report = {
                 "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
                 "endpoint": self.backend.endpoint,
@@ -180,6 +190,11 @@ class Runtime:
         """Called once Celery's consumer is ready: from now on the assignment steers it."""
         self._consumer = consumer
         threading.Thread(target=self._watch, name="draftfleet-assignment", daemon=True).start()
+
+    @property
+    def stopping(self) -> bool:
+        """Shutting down: what the worker's tasks cannot finish goes back to the queue, never fails."""
+        return self._stop.is_set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -367,8 +382,11 @@ def _generate(rt: Runtime, task: PromptTask, reasons: list[str]) -> tuple[Genera
         except Transient as exc:
             last = exc
         except Exception as exc:  # a bug must not lose the prompt: retry, then record it
-            log.exception("unexpected error generating %s", task.source)
+            if not rt.stopping:
+                log.exception("unexpected error generating %s", task.source)
             last = Transient("internal", f"{type(exc).__name__}: {exc}")
+        if rt.stopping:  # a shutdown closes the backend under running requests: not the prompt's fault
+            raise Reject(f"worker shutting down ({last.reason})", requeue=True)
         rt.ledger.event(task.dataset, f"retry:{last.reason}")
         reasons.append(last.reason)
         if attempt < rt.cfg.fleet.max_attempts:
