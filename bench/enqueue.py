@@ -80,6 +80,8 @@ def run(work: Path, *, prompts: int, repeats: int = 1) -> Section:
             store = Store(cfg.fleet.store)
             held = fill_store(store, cfg)
             redis.client().flushall()
+            # a Redis that kept its state: enqueue need not wait for workers to restore their claims
+            redis.client().set(rk.STATE, 1)
             app = make_app(redis.url, cfg.fleet.visibility_timeout_s)
             start = time.perf_counter()
             summary = enqueue_dataset(cfg, cfg.dataset(DATASET), app, redis.client(), store)
