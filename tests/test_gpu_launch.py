@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,7 @@ from draftfleet.store import Store
 
 from .conftest import REPO, wait_until, write_jsonl
 from .test_fleet import _chat_rows, _enqueue
+from .test_launcher import fake_engines
 
 pytestmark = pytest.mark.slow
 
@@ -56,15 +58,9 @@ def _free_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def test_one_worker_and_server_per_gpu(tmp_path, redis_server, tokenizer_dir):
-    site = tmp_path / "site" / "sglang"
-    site.mkdir(parents=True)
-    (site / "__init__.py").write_text("")
-    (site / "launch_server.py").write_text(FAKE_LAUNCH)
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    base = _free_pair()
-    data = write_jsonl(tmp_path / "d.jsonl", _chat_rows(40))
+def _config(tmp_path: Path, tokenizer_dir: Path, prompts: int, backends: str) -> Path:
+    """A fleet.toml with one dataset of ``prompts`` chat prompts and the given backend tables."""
+    data = write_jsonl(tmp_path / "d.jsonl", _chat_rows(prompts))
     config = tmp_path / "fleet.toml"
     config.write_text(textwrap.dedent(f"""
         [fleet]
@@ -76,7 +72,42 @@ def test_one_worker_and_server_per_gpu(tmp_path, redis_server, tokenizer_dir):
         name = "ds"
         path = "{data}"
         max_tokens = 64
+    """) + textwrap.dedent(backends))
+    return config
 
+
+def _run_on_two_gpus(tmp_path: Path, redis_server, config: Path, env: dict, flags: list[str], prompts: int,
+                     ports: tuple[int, int]) -> Store:  # fmt: skip
+    """``worker gpu --config C FLAGS`` (two GPU groups): wait for both workers, enqueue, wait for
+    every result, stop the parent with SIGTERM, and check nothing listens on the servers' ports."""
+    log = open(tmp_path / "workers.log", "wb")
+    parent = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", str(config), *flags],
+                              env={"REDIS_URL": redis_server.url, "PATH": "/usr/bin:/bin", **env}, stdout=log,
+                              stderr=subprocess.STDOUT, cwd=REPO)
+    store = Store(load_config(config).fleet.store)
+    try:
+        r = redis_server.client()
+        logs = lambda: (tmp_path / "workers.log").read_text(errors="replace")[-5000:]  # noqa: E731
+        wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 2, 90, 0.2, f"two workers\n{logs()}")
+        assert _enqueue(config, redis_server.url)[0]["queued"] == prompts
+        wait_until(lambda: len(store.keys("ds")) == prompts, 60, 0.2, f"{prompts} results\n{logs()}")
+    finally:
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(60)
+    # every child and every launched server is gone: nothing listens on their ports any more
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
+            s.bind(("127.0.0.1", port))
+    return store
+
+
+def test_one_worker_and_server_per_gpu(tmp_path, redis_server, tokenizer_dir):
+    site = fake_engines(tmp_path, FAKE_LAUNCH)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    base = _free_pair()
+    config = _config(tmp_path, tokenizer_dir, 40, f"""
         [backends.sglang]
         inflight = 8
         request_timeout_s = 30.0
@@ -86,33 +117,14 @@ def test_one_worker_and_server_per_gpu(tmp_path, redis_server, tokenizer_dir):
         tp = 1
         port_base = {base}
         startup_timeout_s = 60.0
-    """))
-    env = {"REDIS_URL": redis_server.url, "PYTHONPATH": f"{tmp_path / 'site'}:{REPO}", "FAKE_SGLANG_DIR": str(marks),
-           "FAKE_TOKENIZER": str(tokenizer_dir), "PATH": "/usr/bin:/bin"}
-    log = open(tmp_path / "workers.log", "wb")
-    parent = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", str(config),
-                               "--gpu", "0,1"], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        r = redis_server.client()
-        logs = lambda: (tmp_path / "workers.log").read_text(errors="replace")[-5000:]  # noqa: E731
-        wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 2, 90, 0.2, f"two workers\n{logs()}")
-        assert _enqueue(config, redis_server.url)[0]["queued"] == 40
-        store = Store(load_config(config).fleet.store)
-        wait_until(lambda: len(store.keys("ds")) == 40, 60, 0.2, f"40 results\n{logs()}")
-        servers = {json.loads(p.read_text())["cuda"]: json.loads(p.read_text()) for p in marks.glob("*.json")}
-        assert {k: int(v["port"]) for k, v in servers.items()} == {"0": base, "1": base + 1}
-        workers = Counter(rec.worker.split("@")[0] for rec in store.records("ds"))
-        assert set(workers) == {"gpu0", "gpu1"} and sum(workers.values()) == 40
-        assert {rec.model for rec in store.records("ds")} == {"fake/model"}
-    finally:
-        parent.send_signal(signal.SIGTERM)
-        parent.wait(60)
-    # every child and every launched server is gone: nothing listens on their ports any more
-    for port in (base, base + 1):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
-            s.bind(("127.0.0.1", port))
-
+    """)
+    env = {"PYTHONPATH": f"{site}:{REPO}", "FAKE_SGLANG_DIR": str(marks), "FAKE_TOKENIZER": str(tokenizer_dir)}
+    store = _run_on_two_gpus(tmp_path, redis_server, config, env, ["--gpu", "0,1"], 40, (base, base + 1))
+    servers = {json.loads(p.read_text())["cuda"]: json.loads(p.read_text()) for p in marks.glob("*.json")}
+    assert {k: int(v["port"]) for k, v in servers.items()} == {"0": base, "1": base + 1}
+    workers = Counter(rec.worker.split("@")[0] for rec in store.records("ds"))
+    assert set(workers) == {"gpu0", "gpu1"} and sum(workers.values()) == 40
+    assert {rec.model for rec in store.records("ds")} == {"fake/model"}
 
 FAKE_VLLM = textwrap.dedent(
     """
@@ -164,27 +176,11 @@ def test_engine_vllm_one_worker_and_vllm_serve_per_gpu(tmp_path, redis_server, t
     each launches ``vllm serve`` (the script beside the configured python) on its GPU and port.
     The stand-in answers like vLLM with ids derived from the prompt, so the stored ids show which
     prompt ids the worker sent."""
-    bin_dir = tmp_path / "venv" / "bin"
-    bin_dir.mkdir(parents=True)
-    (bin_dir / "python").symlink_to(sys.executable)
-    (bin_dir / "vllm").write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
-    (bin_dir / "vllm").chmod(0o755)
+    fake_engines(tmp_path, FAKE_VLLM)
     marks = tmp_path / "marks"
     marks.mkdir()
     base = _free_pair()
-    data = write_jsonl(tmp_path / "d.jsonl", _chat_rows(30))
-    config = tmp_path / "fleet.toml"
-    config.write_text(textwrap.dedent(f"""
-        [fleet]
-        store = "{tmp_path / 'store'}"
-        model = "test/chatml"
-        tokenizer = "{tokenizer_dir}"
-
-        [[datasets]]
-        name = "ds"
-        path = "{data}"
-        max_tokens = 64
-
+    config = _config(tmp_path, tokenizer_dir, 30, f"""
         [backends.sglang]
         urls = ["http://127.0.0.1:1"]
 
@@ -195,41 +191,24 @@ def test_engine_vllm_one_worker_and_vllm_serve_per_gpu(tmp_path, redis_server, t
         [backends.vllm.launch]
         model_path = "/models/tiny"
         port_base = {base}
-        python = "{bin_dir / 'python'}"
+        python = "{tmp_path / 'bin' / 'python'}"
         extra_args = ["--max-model-len", "2048"]
         startup_timeout_s = 60.0
-    """))
-    env = {"REDIS_URL": redis_server.url, "PYTHONPATH": str(REPO), "FAKE_SGLANG_DIR": str(marks),
-           "FAKE_EOT": str(target_tokenizer.eot_id), "PATH": "/usr/bin:/bin"}
-    log = open(tmp_path / "workers.log", "wb")
-    parent = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", str(config),
-                               "--engine", "vllm", "--gpu", "0,1"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                              cwd=REPO)
-    try:
-        r = redis_server.client()
-        logs = lambda: (tmp_path / "workers.log").read_text(errors="replace")[-5000:]  # noqa: E731
-        wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 2, 90, 0.2, f"two workers\n{logs()}")
-        assert _enqueue(config, redis_server.url)[0]["queued"] == 30
-        store = Store(load_config(config).fleet.store)
-        wait_until(lambda: len(store.keys("ds")) == 30, 60, 0.2, f"30 results\n{logs()}")
-        servers = {json.loads(p.read_text())["cuda"]: json.loads(p.read_text()) for p in marks.glob("gpu*.json")}
-        assert {k: int(v["port"]) for k, v in servers.items()} == {"0": base, "1": base + 1}
-        assert servers["1"]["argv"] == ["serve", "/models/tiny", "--host", "127.0.0.1", "--port", str(base + 1),
-                                        "--tensor-parallel-size", "1", "--max-model-len", "2048"]
-        records = list(store.records("ds"))
-        assert Counter(rec.worker.split("@")[0] for rec in records).keys() == {"gpu0", "gpu1"}
-        for rec in records:
-            prompt = target_tokenizer.prompt_ids(rec.messages)
-            assert rec.output_ids == prompt[-6:] + [target_tokenizer.eot_id]
-            assert (rec.backend, rec.model, rec.token_source, rec.prompt_tokens) == ("vllm", "served//models/tiny",
-                                                                                     "exact", len(prompt))
-        sent = [json.loads(line) for port in (base, base + 1) for line in (marks / f"requests-{port}.jsonl").open()]
-        assert len(sent) == 30 and all(b["return_token_ids"] and b["stop_token_ids"] == [target_tokenizer.eot_id]
-                                       for b in sent)
-    finally:
-        parent.send_signal(signal.SIGTERM)
-        parent.wait(60)
-    for port in (base, base + 1):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", port))
+    """)
+    env = {"PYTHONPATH": str(REPO), "FAKE_SGLANG_DIR": str(marks), "FAKE_EOT": str(target_tokenizer.eot_id)}
+    store = _run_on_two_gpus(tmp_path, redis_server, config, env, ["--engine", "vllm", "--gpu", "0,1"], 30,
+                             (base, base + 1))
+    servers = {json.loads(p.read_text())["cuda"]: json.loads(p.read_text()) for p in marks.glob("gpu*.json")}
+    assert {k: int(v["port"]) for k, v in servers.items()} == {"0": base, "1": base + 1}
+    assert servers["1"]["argv"] == ["serve", "/models/tiny", "--host", "127.0.0.1", "--port", str(base + 1),
+                                    "--tensor-parallel-size", "1", "--max-model-len", "2048"]
+    records = list(store.records("ds"))
+    assert Counter(rec.worker.split("@")[0] for rec in records).keys() == {"gpu0", "gpu1"}
+    for rec in records:
+        prompt = target_tokenizer.prompt_ids(rec.messages)
+        assert rec.output_ids == prompt[-6:] + [target_tokenizer.eot_id]
+        assert (rec.backend, rec.model, rec.token_source, rec.prompt_tokens) == ("vllm", "served//models/tiny",
+                                                                                 "exact", len(prompt))
+    sent = [json.loads(line) for port in (base, base + 1) for line in (marks / f"requests-{port}.jsonl").open()]
+    assert len(sent) == 30 and all(b["return_token_ids"] and b["stop_token_ids"] == [target_tokenizer.eot_id]
+                                   for b in sent)

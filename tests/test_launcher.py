@@ -86,19 +86,26 @@ FAKE_SERVER = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def fake(tmp_path: Path) -> dict[str, str]:
-    """Env overrides that make ``-m sglang.launch_server`` run the fake; ``tmp_path/bin`` holds a
-    ``python`` and the fake's ``vllm`` script beside it, as a vLLM venv does."""
-    pkg = tmp_path / "site" / "sglang"
+def fake_engines(folder: Path, script: str) -> Path:
+    """Install ``script`` as both engines' entry points: ``folder/site/sglang/launch_server.py``
+    (for ``python -m`` with ``folder/site`` on PYTHONPATH, which is returned) and ``folder/bin/vllm``
+    beside a ``folder/bin/python``, as in a vLLM venv."""
+    pkg = folder / "site" / "sglang"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "launch_server.py").write_text(FAKE_SERVER)
-    bin_dir = tmp_path / "bin"
+    (pkg / "launch_server.py").write_text(script)
+    bin_dir = folder / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").symlink_to(sys.executable)
-    (bin_dir / "vllm").write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    (bin_dir / "vllm").write_text(f"#!{sys.executable}\n{script}")
     (bin_dir / "vllm").chmod(0o755)
+    return folder / "site"
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> dict[str, str]:
+    """Env overrides that make ``-m sglang.launch_server`` and ``tmp_path/bin/vllm`` run the fake."""
+    fake_engines(tmp_path, FAKE_SERVER)
     runs = tmp_path / "runs"
     runs.mkdir()
     return {"PYTHONPATH": str(tmp_path / "site"), "FAKE_SGLANG_DIR": str(runs)}
