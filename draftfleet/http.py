@@ -23,7 +23,7 @@ def make_client(
     """A pooled client for ``concurrency`` threads, with every timeout set.
 
     ``trust_env`` (proxy variables) is for the cloud only: a proxy must never sit in front of a
-    loopback SGLang server.
+    loopback engine server (SGLang, vLLM).
     """
     return httpx.Client(
         base_url=base_url,

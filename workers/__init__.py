@@ -1,1 +1,1 @@
-"""The workers: Celery app, the generate task, SGLang and cloud backends."""
+"""The workers: Celery app, the generate task, the SGLang, vLLM and cloud backends, the engine launcher."""
