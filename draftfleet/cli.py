@@ -359,6 +359,10 @@ def cmd_reconcile(args) -> int:
         table.add_row(d.dataset, str(d.stored), str(d.counted), str(d.newly_counted), fixes or "none",
                       str(d.counted_not_stored), str(len(d.unreadable)))
     out.print(table)
+    for d in drifts:
+        if d.set_aside:
+            out.print(f"{d.dataset}: {len(d.set_aside)} record files could not be read and were set aside "
+                      f"(first: {escape(d.set_aside[0])}); `draftfleet enqueue` generates them again", highlight=False)
     return 0
 
 

@@ -5,12 +5,18 @@ ledger's idempotent script (a worker died between storing and counting, or Redis
 (2) the counted set and the counters are read in one transaction and compared with the sums of
 those same keys' records; any difference is drift, reported and corrected with increments (safe
 while workers keep counting); (3) reservations left by dead workers (no claim) are dropped.
-Records are write-once, so each is read once and its figures cached for later passes.
+Records are write-once, so each is read once and its figures cached for later passes. A record
+file that cannot be read (empty, corrupt, a dangling link) is no result: it is set aside, so the
+next ``enqueue`` sends its prompt again.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 from collections import defaultdict
+from pathlib import Path
 
 import msgspec
 import redis
@@ -20,6 +26,7 @@ from draftfleet.ledger import Ledger, micro_usd
 from draftfleet.store import Store
 
 FIELDS = ("responses", "prompt_tokens", "completion_tokens", "cost_micro_usd")
+SET_ASIDE_CLAIM_S = 10
 
 
 class _Figures(msgspec.Struct, frozen=True):
@@ -45,6 +52,7 @@ class Drift(msgspec.Struct, kw_only=True):
     counted_not_stored: int
     stale_reservations: int
     unreadable: list[str]
+    set_aside: list[str] = []
 
 
 class Reconciler:
@@ -54,7 +62,9 @@ class Reconciler:
         self.ledger = Ledger(r)
         self._cache: dict[tuple[str, str], _Figures] = {}
 
-    def _read(self, dataset: str, keys: set[str], unreadable: list[str]) -> dict[str, _Figures]:
+    def _read(self, dataset: str, keys: set[str], unreadable: list[str],
+              broken: set[str] | None = None) -> dict[str, _Figures]:
+        """Figures of these keys' records; ``broken`` collects keys whose file holds no record."""
         out = {}
         for key in keys:
             fig = self._cache.get((dataset, key))
@@ -62,17 +72,57 @@ class Reconciler:
                 path = self.store.path(dataset, key)
                 try:
                     fig = _figures.decode(path.read_bytes())
-                except (OSError, msgspec.DecodeError) as exc:
+                except (FileNotFoundError, msgspec.DecodeError) as exc:
+                    if broken is None:
+                        unreadable.append(f"{path}: {exc}")
+                    else:
+                        broken.add(key)
+                    continue
+                except OSError as exc:
                     unreadable.append(f"{path}: {exc}")
                     continue
                 self._cache[(dataset, key)] = fig
             out[key] = fig
         return out
 
+    def _set_aside(self, dataset: str, key: str, unreadable: list[str]) -> Path | None:
+        """Move a broken record file aside, holding the key's claim so that no worker is writing
+        the key meanwhile. A file that reads well by now is left alone."""
+        claim = rk.claim(dataset, key)
+        token = f"reconciler@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
+        path = self.store.path(dataset, key)
+        if not self.r.set(claim, token, nx=True, ex=SET_ASIDE_CLAIM_S):
+            unreadable.append(f"{path}: unreadable; a worker holds the key, left to it")
+            return None
+        try:
+            self._cache[(dataset, key)] = _figures.decode(path.read_bytes())
+            return None
+        except (FileNotFoundError, msgspec.DecodeError):
+            return self.store.set_aside(dataset, key)
+        finally:
+            with self.r.pipeline() as pipe:  # release the claim if it is still ours
+                try:
+                    pipe.watch(claim)
+                    if pipe.get(claim) == token.encode():
+                        pipe.multi()
+                        pipe.delete(claim)
+                        pipe.execute()
+                except redis.WatchError:
+                    pass  # it changed hands: not ours to delete
+
     def reconcile(self, dataset: str) -> Drift:
         unreadable: list[str] = []
+        broken: set[str] = set()
         keys = self.store.keys(dataset)
-        records = self._read(dataset, keys, unreadable)
+        records = self._read(dataset, keys, unreadable, broken)
+        aside = []
+        for key in sorted(broken):
+            moved = self._set_aside(dataset, key, unreadable)
+            if moved is not None:
+                aside.append(str(moved))
+                keys.discard(key)
+            elif (dataset, key) in self._cache:  # it reads well by now
+                records[key] = self._cache[(dataset, key)]
         counted_now = {m.decode() for m in self.r.smembers(rk.counted_set(dataset))}
         newly = 0
         for key in keys - counted_now:
@@ -128,7 +178,7 @@ class Reconciler:
         return Drift(
             dataset=dataset, stored=len(keys), counted=len(counted), newly_counted=newly,
             corrections=corrections, counted_not_stored=len(counted - keys), stale_reservations=stale,
-            unreadable=unreadable,
+            unreadable=unreadable, set_aside=aside,
         )
 
     def reconcile_all(self, datasets: list[str] | None = None) -> list[Drift]:

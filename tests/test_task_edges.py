@@ -43,6 +43,7 @@ def fleet(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_fact
     config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url,
                           datasets=[{"name": "ds", "path": str(data), "max_tokens": 64}])
     cfg = load_config(config)
+    Store(cfg.fleet.store).prepare()  # as a worker does at start
     monkeypatch.setattr(tasks, "INFRA_RETRY_S", 0.0)
     backend = CloudChat("cloudy", cfg.cloud("cloudy"), target_tokenizer, KEY_ENV["DRAFTFLEET_TEST_KEY"])
     made = []
@@ -163,6 +164,37 @@ def test_an_unreadable_record_is_set_aside_and_generated(fleet, damage, tmp_path
     assert Ledger(fleet.r).dataset_totals("ds")["responses"] == 1
     assert Ledger(fleet.r).events("ds")["set_aside:unreadable"] == 1
     assert fleet.run(rt, task) == "duplicate"  # and once stored, a redelivery only counts it
+
+
+def test_the_reconciler_sets_unreadable_records_aside_for_enqueue_to_send_again(fleet):
+    """A record broken at rest (no task of its key queued) would count as done for ever: enqueue
+    lists file names only. The reconciler, which reads every record, sets it aside."""
+    from draftfleet.identity import prompt_key, settings_id
+    from draftfleet.producer.enqueue import enqueue_dataset, prompt_messages
+    from draftfleet.producer.readers import PromptRow, read_prompts
+    from draftfleet.workers.app import make_app
+
+    cfg, store, r = fleet.cfg, fleet.store, fleet.r
+    ds = cfg.dataset("ds")
+    settings = ds.settings(cfg.fleet.model)
+    rows = [x for x in read_prompts(ds) if isinstance(x, PromptRow)]
+    tasks = [PromptTask(key=prompt_key("ds", m, settings), dataset="ds", source=row.source, messages=m,
+                        settings=settings, settings_id=settings_id(settings), enqueued_at=time.time())
+             for row in rows[:2] for m in [prompt_messages(ds, row)]]
+    rt = fleet.runtime()
+    assert [fleet.run(rt, t) for t in tasks] == ["stored", "stored"]
+    app = make_app(_url(r), 3600)
+    assert enqueue_dataset(cfg, ds, app, r, store).queued == 1
+
+    broken, held = (store.path("ds", t.key) for t in tasks)
+    broken.write_bytes(b"")
+    held.write_bytes(b"{")
+    r.set(rk.claim("ds", tasks[1].key), "gpu@host:1:abc", ex=60)  # a worker is on this one
+    drift = Reconciler(store, r).reconcile("ds")
+    assert [os.path.basename(p).split(".")[0] for p in drift.set_aside] == [tasks[0].key]
+    assert not os.path.lexists(broken) and os.path.exists(held) and len(drift.unreadable) == 1
+    again = enqueue_dataset(cfg, ds, app, r, store)
+    assert (again.queued, again.already_done, again.already_queued) == (1, 1, 1)
 
 
 # -- one claim token per task ----------------------------------------------------------------

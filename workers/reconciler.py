@@ -43,6 +43,9 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
                 log.warning("%s: drift corrected %s; %d stored keys were uncounted; %d counted keys missing from "
                             "the store; %d unreadable records", drift.dataset, drift.corrections, drift.newly_counted,
                             drift.counted_not_stored, len(drift.unreadable))
+            if drift.set_aside:
+                log.warning("%s: %d record files could not be read and were set aside (%s ...): `draftfleet "
+                            "enqueue` generates them again", drift.dataset, len(drift.set_aside), drift.set_aside[0])
             if drift.stale_reservations:
                 log.info("%s: dropped %d reservations of dead workers", drift.dataset, drift.stale_reservations)
 
