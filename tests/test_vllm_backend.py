@@ -215,8 +215,10 @@ def test_sends_the_rendered_prompt_ids_and_stores_the_engines_ids(fake, client, 
     fake.reply = lambda body: (200, completion(body["prompt"], [77, 413, eot], "stop"))  # a stop: EOS inside the ids
     gen = client.generate(task())
     (sent,) = fake.requests
+    # every parameter a model's generation_config.json could set is pinned (vLLM fills the others from it)
     assert sent == {"path": "/v1/completions", "prompt": prompt, "max_tokens": 64, "temperature": 0.0, "top_p": 0.9,
-                    "stop_token_ids": [eot], "return_token_ids": True, "model": "tiny"}
+                    "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "stop_token_ids": [eot], "return_token_ids": True, "model": "tiny"}
     assert gen.output_ids == [77, 413, eot] and gen.finish_reason == "stop" and not gen.truncated
     assert gen.token_source == "exact" and gen.model == "tiny" and gen.prompt_tokens == len(prompt)
     assert (gen.usage.prompt_tokens, gen.usage.completion_tokens) == (len(prompt), 3)

@@ -18,6 +18,12 @@ from draftfleet.workers.backends import Generation, Halt, Transient
 from draftfleet.workers.engine import EngineClient, error_message
 
 
+# vLLM fills each sampling parameter a request leaves out from the model's generation_config.json
+# (`--generation-config auto`, its default; e.g. Qwen3's top_k 20, logged as "Default vLLM sampling
+# parameters have been overridden"). The dataset's settings define the answers: pin the rest.
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 class VLLMClient(EngineClient):
     engine = "vllm"
     auth_probe_path = "/v1/models"  # vLLM's --api-key guards the /v1 paths only
@@ -47,6 +53,7 @@ class VLLMClient(EngineClient):
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
+            **NEUTRAL_SAMPLING,
             "stop_token_ids": [self.tokenizer.eot_id],
             "return_token_ids": True,
         }
