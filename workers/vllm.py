@@ -3,9 +3,9 @@
 The worker renders the chat template itself (the same prompt ids as the SGLang path) and sends
 them as the prompt; ``return_token_ids`` makes vLLM answer with the ids it generated, which are
 stored as they come (``exact``): on a stop the stop token is the last of them; the text is split
-into reasoning and answer as for SGLang. vLLM also echoes
-the prompt ids it ran; anything but the ids sent means the server re-tokenized, and the worker
-pauses rather than store ids that do not belong together. Shapes: FORMATS.md, "vLLM".
+into reasoning and answer as for SGLang. vLLM also echoes the prompt ids it ran; anything but the
+ids sent means the server re-tokenized, and the worker pauses rather than store ids that do not
+belong together. Shapes: FORMATS.md, "vLLM".
 """
 
 from __future__ import annotations
