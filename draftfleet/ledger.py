@@ -42,37 +42,47 @@ EXPIRE_BATCH = 64
 # When to look again at a reservation whose claim has no TTL (claims always have one in the fleet).
 RECHECK_MS = 30_000
 
-# settle(reservations, due, aggregates, key): drop a reservation and take its share out of the
-# aggregates (hash ``agg``: n, ey = Σ expected of young ones, no / so = count and Σ(admitted - t0)
-# of old ones, nc = count of capped ones, t0 = origin of the admission times, reset when empty).
+# The reservations' aggregates (hash ``agg``): n, ey = Σ expected of young ones, no / so = count and
+# Σ(admitted - t0) of old ones, nc = count of capped ones, t0 = origin of admission times (reset
+# when empty). A script reads them once (load), changes them in Lua, and writes them once (save).
+# settle(reservations, due, A, key) drops a reservation and takes its share out of A.
 _SETTLE = """
 local function parse(v)
   local e, s, st = string.match(v or '', '^(%d+):(%d+):(%a)$')
   if not st then return nil end
   return tonumber(e), tonumber(s), st
 end
-local function settle(res, due, agg, k)
-  redis.call('ZREM', due, k)
+local function load(agg)
+  local a = redis.call('HMGET', agg, 'n', 'ey', 'no', 'so', 'nc', 't0')
+  return {n = tonumber(a[1] or '0'), ey = tonumber(a[2] or '0'), no = tonumber(a[3] or '0'),
+          so = tonumber(a[4] or '0'), nc = tonumber(a[5] or '0'), t0 = tonumber(a[6] or '0')}
+end
+local function save(agg, A)
+  if A.n <= 0 then redis.call('DEL', agg) return end
+  redis.call('HSET', agg, 'n', A.n, 'ey', A.ey, 'no', A.no, 'so', A.so, 'nc', A.nc, 't0', A.t0)
+end
+local function settle(res, due, A, k)
   local v = redis.call('HGET', res, k)
-  if not v then return 0 end
+  if not v then return 0 end  -- (a due entry left without its reservation is dropped when due)
   redis.call('HDEL', res, k)
+  redis.call('ZREM', due, k)
   local e, s, st = parse(v)
-  if not st then return 1 end  -- taken before the aggregates existed: it has no share in them
-  if redis.call('HINCRBY', agg, 'n', -1) <= 0 then redis.call('DEL', agg) return 1 end
-  if st == 'y' then
-    redis.call('HINCRBY', agg, 'ey', -e)
-  elseif st == 'o' then
-    redis.call('HINCRBY', agg, 'no', -1)
-    redis.call('HINCRBY', agg, 'so', tonumber(redis.call('HGET', agg, 't0') or s) - s)
-  else
-    redis.call('HINCRBY', agg, 'nc', -1)
-  end
+  if not st then return 0 end  -- taken before the aggregates existed: it has no share in them
+  A.n = A.n - 1
+  if st == 'y' then A.ey = A.ey - e
+  elseif st == 'o' then A.no = A.no - 1 A.so = A.so - (s - A.t0)
+  else A.nc = A.nc - 1 end
   return 1
+end
+local function settle_one(res, due, agg, k)
+  local A = load(agg)
+  if settle(res, due, A, k) == 1 then save(agg, A) return 1 end
+  return 0
 end
 """
 
 _COUNT_ONCE = _SETTLE + """
-settle(KEYS[5], KEYS[7], KEYS[8], ARGV[1])
+settle_one(KEYS[5], KEYS[7], KEYS[8], ARGV[1])
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
 for _, h in ipairs({KEYS[2], KEYS[4]}) do
   redis.call('HINCRBY', h, 'responses', 1)
@@ -89,12 +99,12 @@ redis.call('EXPIRE', KEYS[6], ARGV[5])
 return 1
 """
 
-_RELEASE = _SETTLE + "return settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1])"
+_RELEASE = _SETTLE + "return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])"
 
 # Drop a reservation only if its claim is gone (checked here, atomically with the drop).
 _DROP_DEAD = _SETTLE + """
 if redis.call('EXISTS', ARGV[2] .. ARGV[1]) == 1 then return 0 end
-return settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
+return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 """
 
 _ADMIT = _SETTLE + """
@@ -116,13 +126,16 @@ if latency_ms > 0 then per_stream = committed / latency_ms end  -- tokens per ms
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+local A, dirty = load(agg), false
+local function done(verdict)
+  if dirty then save(agg, A) end
+  return verdict
+end
 local function restate(k, e, s, from, to)
-  local t0 = tonumber(redis.call('HGET', agg, 't0') or s)
-  if from == 'y' then redis.call('HINCRBY', agg, 'ey', -e)
-  else redis.call('HINCRBY', agg, 'no', -1) redis.call('HINCRBY', agg, 'so', t0 - s) end
-  if to == 'o' then redis.call('HINCRBY', agg, 'no', 1) redis.call('HINCRBY', agg, 'so', s - t0)
-  else redis.call('HINCRBY', agg, 'nc', 1) end
+  if from == 'y' then A.ey = A.ey - e else A.no = A.no - 1 A.so = A.so - (s - A.t0) end
+  if to == 'o' then A.no = A.no + 1 A.so = A.so + (s - A.t0) else A.nc = A.nc + 1 end
   redis.call('HSET', res, k, e .. ':' .. s .. ':' .. to)
+  dirty = true
 end
 -- next event of a reservation: its move to the next state, or when its claim would lapse
 local function schedule(k, e, s, st, claim_ttl)
@@ -138,10 +151,10 @@ end
 for _, k in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now, 'LIMIT', 0, tonumber(ARGV[7]))) do
   local claim_ttl = redis.call('PTTL', ARGV[4] .. k)
   local e, s, st = parse(redis.call('HGET', res, k))
-  if claim_ttl == -2 then
-    settle(res, due, agg, k)
-  elseif not st then
-    redis.call('ZREM', due, k)
+  if not st then
+    redis.call('ZREM', due, k)  -- its reservation was settled: nothing left to look at
+  elseif claim_ttl == -2 then
+    if settle(res, due, A, k) == 1 then dirty = true end
   else
     -- a response still running long after admission is a long one (lengths are heavy-tailed: the
     -- longer it has run, the longer it will run): reserve twice what it has likely made so far
@@ -153,19 +166,18 @@ for _, k in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now, 'LIMIT', 0, ton
   end
 end
 
-local a = redis.call('HMGET', agg, 'n', 'ey', 'no', 'so', 'nc', 't0')
-local live = tonumber(a[1] or '0')
+local live = A.n
 local reserved = 0
 if live > 0 then
-  local n_old = tonumber(a[3] or '0')
-  local grown = 2 * per_stream * (n_old * (now - tonumber(a[6] or now)) - tonumber(a[4] or '0'))
-  reserved = tonumber(a[2] or '0') + math.min(n_old * cap_tokens, grown) + cap_tokens * tonumber(a[5] or '0')
+  local grown = 2 * per_stream * (A.no * (now - A.t0) - A.so)
+  reserved = A.ey + math.min(A.no * cap_tokens, grown) + cap_tokens * A.nc
 end
 local function take()
-  settle(res, due, agg, ARGV[1])
-  redis.call('HSETNX', agg, 't0', now)
-  redis.call('HINCRBY', agg, 'n', 1)
-  redis.call('HINCRBY', agg, 'ey', expect)
+  settle(res, due, A, ARGV[1])
+  if A.n <= 0 then A = {n = 0, ey = 0, no = 0, so = 0, nc = 0, t0 = now} end
+  A.n = A.n + 1
+  A.ey = A.ey + expect
+  dirty = true
   redis.call('HSET', res, ARGV[1], expect .. ':' .. now .. ':y')
   schedule(ARGV[1], expect, now, 'y', redis.call('PTTL', ARGV[4] .. ARGV[1]))
 end
@@ -173,7 +185,7 @@ if redis.call('EXISTS', KEYS[4]) == 0 then
   local var = expect * expect
   if responses >= 5 then var = math.max(0, sq / responses - (committed / responses) ^ 2) end
   local margin = 3 * math.sqrt(var) * math.sqrt(live + 1)
-  if committed + reserved + expect / 2 + margin <= budget then take() return 1 end
+  if committed + reserved + expect / 2 + margin <= budget then take() return done(1) end
   redis.call('HSET', KEYS[4], 'cap', 0, 'admitted', 0)  -- closing rounds start
 end
 local cap = tonumber(redis.call('HGET', KEYS[4], 'cap'))
@@ -182,19 +194,19 @@ if live > 0 then
   if admitted + expect <= cap then
     take()
     redis.call('HINCRBY', KEYS[4], 'admitted', expect)
-    return 1
+    return done(1)
   end
-  return 2
+  return done(2)
 end
 local room = budget - committed
 if room < expect then
   redis.call('SET', KEYS[3], budget)
   redis.call('DEL', KEYS[4])
-  return 0
+  return done(0)
 end
 redis.call('HSET', KEYS[4], 'cap', math.floor(math.max(room / 2, expect)), 'admitted', expect)
 take()
-return 1
+return done(1)
 """
 
 # Empty a closed dataset's queue, unless an enqueue reopened it meanwhile (its new tasks stay).

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import time
 
+import msgspec
 import pytest
 
 from draftfleet import redis_keys as rk
@@ -139,3 +141,41 @@ def test_long_running_reservations_grow_then_settle(redis_server):
     assert _reserved(r) == {"n": 1, "nc": 1}
     ledger.count(_rec("long", 100))
     assert not r.exists(rk.reservations("ds"), rk.reservations_due("ds"), rk.reserved_sum("ds"))
+
+
+def test_aggregates_always_match_the_reservations(redis_server):
+    """Random admissions, counts, releases and dead claims: the kept aggregates equal a recount."""
+    r = redis_server.client()
+    ledger = Ledger(r)
+    rng = random.Random(7)
+    # a stream makes 10 tokens/ms: reservations of 100 grow after 5 ms and are capped (200) after 10 ms
+    r.hset(rk.dataset_totals("ds"), mapping={"responses": 10, "completion_tokens": 1000, "latency_ms": 100,
+                                             "completion_tokens_sq": 10**5})
+    held: list[str] = []
+    seen: set[str] = set()
+    for i in range(400):
+        op = rng.random()
+        if op < 0.5 or not held:
+            key = f"k{i}"
+            r.set(rk.claim("ds", key), "w", px=rng.choice([50, 120_000]))  # some workers die soon
+            assert ledger.admit("ds", key, 10**12, 100, 200) == ADMITTED
+            held.append(key)
+        elif op < 0.75:
+            rec = _rec(held.pop(rng.randrange(len(held))), 100)
+            ledger.count(msgspec.structs.replace(rec, latency_s=0.01))  # 10 tokens/ms, as above
+        else:
+            ledger.release("ds", held.pop(rng.randrange(len(held))))
+        if i % 50 == 0:
+            time.sleep(0.06)
+        entries = {k.decode(): v.decode().split(":") for k, v in r.hgetall(rk.reservations("ds")).items()}
+        agg = {k.decode(): int(v) for k, v in r.hgetall(rk.reserved_sum("ds")).items()}
+        t0 = agg.get("t0", 0)
+        want = {"n": len(entries), "ey": sum(int(e) for e, _, st in entries.values() if st == "y"),
+                "no": sum(st == "o" for _, _, st in entries.values()),
+                "so": sum(int(s) - t0 for _, s, st in entries.values() if st == "o"),
+                "nc": sum(st == "c" for _, _, st in entries.values())}
+        assert {k: agg.get(k, 0) for k in want} == want, i
+        assert {m.decode() for m in r.zrange(rk.reservations_due("ds"), 0, -1)} == set(entries), i
+        seen |= {st for _, _, st in entries.values()}
+    # the dead workers' reservations were dropped by time, long runners changed state
+    assert len(entries) < len(held) and seen == {"y", "o", "c"}
