@@ -57,6 +57,22 @@ def _report(r, name_prefix: str) -> dict:
     return {}
 
 
+def _sums(records) -> dict[str, dict[str, int]]:
+    """What the counters must hold for these records, per backend."""
+    want: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
+    for rec in records:
+        w = want[rec.backend]
+        w["responses"] += 1
+        w["prompt_tokens"] += rec.prompt_tokens
+        w["completion_tokens"] += rec.completion_tokens
+        w["cost_micro_usd"] += micro_usd(rec.cost_usd)
+    return dict(want)
+
+
+def _counters(r, dataset: str) -> dict[str, dict[str, int]]:
+    return {b: {f: t.get(f, 0) for f in FIELDS} for b, t in Ledger(r).totals(dataset).items()}
+
+
 def assert_exactly_once(store: Store, r, dataset: str, n: int, timeout: float = 30) -> list:
     """Each of the n prompts has one result, none failed, none left in Redis; counters = store."""
     records = list(store.records(dataset))
@@ -65,15 +81,7 @@ def assert_exactly_once(store: Store, r, dataset: str, n: int, timeout: float = 
     assert not store.failures(dataset)
     wait_until(lambda: not queued_keys(r, dataset), timeout, 0.2, "queue and unacked to empty")
     wait_until(lambda: not list(r.scan_iter(rk.claim(dataset, "*"))), timeout, 0.2, "claims to be released")
-    want: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
-    for rec in records:
-        w = want[rec.backend]
-        w["responses"] += 1
-        w["prompt_tokens"] += rec.prompt_tokens
-        w["completion_tokens"] += rec.completion_tokens
-        w["cost_micro_usd"] += micro_usd(rec.cost_usd)
-    got = {b: {f: t.get(f, 0) for f in FIELDS} for b, t in Ledger(r).totals(dataset).items()}
-    assert got == dict(want)
+    assert _counters(r, dataset) == _sums(records)
     assert r.scard(rk.counted_set(dataset)) == n
     return records
 
@@ -84,16 +92,8 @@ def assert_counted_once(store: Store, r, dataset: str) -> int:
     a reconcile pass would hide it). Returns how many keys are counted."""
     counted = {k.decode() for k in r.smembers(rk.counted_set(dataset))}
     assert counted <= store.keys(dataset), "counted keys missing from the store"
-    want: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
-    for key in counted:
-        rec = store.get(dataset, key)
-        w = want[rec.backend]
-        w["responses"] += 1
-        w["prompt_tokens"] += rec.prompt_tokens
-        w["completion_tokens"] += rec.completion_tokens
-        w["cost_micro_usd"] += micro_usd(rec.cost_usd)
-    got = {b: {f: t.get(f, 0) for f in FIELDS} for b, t in Ledger(r).totals(dataset).items()}
-    assert {b: t for b, t in got.items() if any(t.values())} == dict(want)
+    got = {b: t for b, t in _counters(r, dataset).items() if any(t.values())}
+    assert got == _sums(store.get(dataset, key) for key in counted)
     return len(counted)
 
 
