@@ -402,6 +402,8 @@ def _print_inventory(invs) -> None:
         out.print("completion tokens: the target tokenizer's count (budgets use it); provider's count: the API's own "
                   "usage.completion_tokens (its tokenizer); difference: ours minus theirs", highlight=False)
         line = f"mean {inv.mean_tokens or 0:,.0f} tokens/response"
+        if inv.conversations:
+            line += f"; {inv.conversations:,} conversations, {inv.turns:,} regenerated turns in all"
         if inv.budget_tokens:
             line += (f"; budget {inv.budget_tokens:,}: {100 * (inv.share_done or 0):.1f}% done, "
                      f"{inv.remaining_tokens:,} remaining")

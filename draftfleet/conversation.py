@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from draftfleet.schemas.records import Message, ResponseRecord, Turn
+import time
+
+from draftfleet.schemas.records import Message, PromptTask, ResponseRecord, Turn, Usage
 
 
 def runs(messages: Sequence[Message]) -> list[list[Message]]:
@@ -53,3 +55,36 @@ def record_turns(rec: ResponseRecord) -> list[Turn]:
         latency_s=rec.latency_s, attempts=rec.attempts, worker=rec.worker, created_at=rec.created_at,
         retry_reasons=rec.retry_reasons,
     )]
+
+
+def _total(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def conversation_record(task: PromptTask, turns: list[Turn], worker: str) -> ResponseRecord:
+    """The stored record of a conversation: every turn, the last one's answer on top, counts, cost,
+    usage and attempts summed over the turns (so totals count them all). Its ``backend`` is the one
+    that finished it; each turn keeps its own. Exact only if every turn is."""
+    last = turns[-1]
+    usages = [t.usage for t in turns]
+    usage = Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in usages), completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=sum(u.cached_tokens for u in usages), reasoning_tokens=sum(u.reasoning_tokens for u in usages),
+        cost_usd=_total([u.cost_usd for u in usages]), upstream_cost_usd=_total([u.upstream_cost_usd for u in usages]),
+        is_byok=last.usage.is_byok,
+    )
+    sources = {t.cost_source for t in turns}
+    return ResponseRecord(
+        key=task.key, dataset=task.dataset, source=task.source, settings_id=task.settings_id, messages=task.messages,
+        system_prompt_used=any(m.role == "system" for m in task.messages), text=last.text, reasoning=last.reasoning,
+        output_ids=last.output_ids, prompt_tokens=sum(t.prompt_tokens for t in turns),
+        completion_tokens=sum(t.completion_tokens for t in turns), finish_reason=last.finish_reason,
+        truncated=last.truncated, backend=last.backend, backend_kind=last.backend_kind, model=last.model,
+        token_source="exact" if all(t.token_source == "exact" for t in turns) else "retokenized", usage=usage,
+        cost_usd=sum(t.cost_usd for t in turns),
+        cost_source=sources.pop() if len(sources) == 1 else ("provider" if "provider" in sources else "price_table"),
+        latency_s=round(sum(t.latency_s for t in turns), 4), attempts=sum(t.attempts for t in turns), worker=worker,
+        created_at=time.time(), retry_reasons=[r for t in turns for r in t.retry_reasons], row_id=task.row_id,
+        turns=turns,
+    )

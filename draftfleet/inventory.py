@@ -40,6 +40,7 @@ class Split(msgspec.Struct, kw_only=True):
     backend_kind: str
     token_source: str
     responses: int = 0
+    turns: int = 0  # regenerated answers: a conversation's turns, one per single-turn response
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cost_usd: float = 0.0
@@ -70,6 +71,8 @@ class Validation(msgspec.Struct, kw_only=True):
 class DatasetInventory(msgspec.Struct, kw_only=True):
     dataset: str
     responses: int
+    conversations: int  # responses that are multi-turn conversations (``turns = "all"``)
+    turns: int  # regenerated answers in all responses
     completion_tokens: int
     prompt_tokens: int
     mean_tokens: float | None
@@ -111,6 +114,7 @@ class _Partial(msgspec.Struct):
 
     splits: dict[str, Split]
     prompts: dict[str, int]
+    conversations: int = 0
     truncated: int = 0
     out_of_vocab: int = 0
     stop_without_eot: int = 0
@@ -151,6 +155,8 @@ def _scan(paths: list[str], vocab_size: int | None, eot_id: int | None, sample_r
             sp = part.splits[label] = Split(backend=rec.backend, backend_kind=rec.backend_kind,
                                             token_source=rec.token_source)
         sp.responses += 1
+        sp.turns += len(rec.turns) or 1
+        part.conversations += bool(rec.turns)
         sp.completion_tokens += record_tokens(rec)
         sp.prompt_tokens += rec.prompt_tokens
         sp.cost_usd += rec.cost_usd
@@ -206,11 +212,13 @@ def inventory_dataset(
     prompts: Counter[str] = Counter()
     v = Validation(ids_out_of_vocab=0 if tokenizer else None, stop_without_eot=0 if tokenizer else None)
     sample: list[list[int]] = []
+    conversations = sum(part.conversations for part in parts)
     for part in parts:
         for label, sp in part.splits.items():
             acc = splits.setdefault(label, Split(backend=sp.backend, backend_kind=sp.backend_kind,
                                                  token_source=sp.token_source))
             acc.responses += sp.responses
+            acc.turns += sp.turns
             acc.completion_tokens += sp.completion_tokens
             acc.prompt_tokens += sp.prompt_tokens
             acc.cost_usd += sp.cost_usd
@@ -253,7 +261,8 @@ def inventory_dataset(
             for name, (p_in, p_out) in prices.items():
                 cost[name] = round(left * mean * p_out / 1e6 + left * mean_prompt * p_in / 1e6, 2)
     return DatasetInventory(
-        dataset=dataset, responses=responses, completion_tokens=tokens, prompt_tokens=prompt_tokens,
+        dataset=dataset, responses=responses, conversations=conversations, turns=sum(s.turns for s in by_source),
+        completion_tokens=tokens, prompt_tokens=prompt_tokens,
         mean_tokens=round(mean, 1) if mean else None, by_source=by_source, budget_tokens=budget,
         share_done=round(tokens / budget, 4) if budget else None, remaining_tokens=remaining, prompts_left=prompts_left,
         spend_usd=round(sum(s.cost_usd for s in by_source), 4), cost_to_finish_usd=cost, validation=v,

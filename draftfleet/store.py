@@ -7,6 +7,7 @@ Layout under the root::
     _failures/<dataset>/<key>.json     tasks whose retries ran out (re-queueable)
     _unreadable/<dataset>/<key>.<ns>.json   record files that could not be read, set aside
     _quarantine/<dataset>.jsonl        input lines that were rejected, verbatim
+    _progress/<dataset>/<key>.json     completed turns of a conversation still being generated
 
     .draftfleet-store                  marker: this folder is a fleet store (see ``Store.prepare``)
 Writes are atomic (temp file in the same folder, fsync, then ``link``): ``link`` fails when the
@@ -26,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from draftfleet.schemas.config import NAME_RE
-from draftfleet.schemas.records import DatasetManifest, FailureRecord, QuarantineEntry, ResponseRecord
+from draftfleet.schemas.records import DatasetManifest, FailureRecord, QuarantineEntry, ResponseRecord, TurnProgress
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _encoder = msgspec.json.Encoder()
@@ -34,7 +35,7 @@ _record_decoder = msgspec.json.Decoder(ResponseRecord)
 _failure_decoder = msgspec.json.Decoder(FailureRecord)
 MARKER = ".draftfleet-store"
 # What a store made before the marker existed can hold: it is recognised, and marked.
-_FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "lost+found"}
+_FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "lost+found"}
 _manifest_decoder = msgspec.json.Decoder(DatasetManifest)
 _quarantine_decoder = msgspec.json.Decoder(QuarantineEntry)
 
@@ -234,6 +235,29 @@ class Store:
 
     def clear_failure(self, dataset: str, key: str) -> None:
         self.failure_path(dataset, key).unlink(missing_ok=True)
+
+    # -- conversations in progress --------------------------------------------------------
+    def progress_path(self, dataset: str, key: str) -> Path:
+        return self.root / "_progress" / check_name(dataset) / f"{check_key(key)}.json"
+
+    def put_progress(self, progress: TurnProgress) -> None:
+        """Keep a conversation's completed turns (replaced atomically as each turn completes), so
+        that the worker that takes it up after a death or a retry starts at the next turn."""
+        final = self.progress_path(progress.dataset, progress.key)
+        try:
+            os.replace(_write_temp(final.parent, _encoder.encode(progress)), final)
+        except OSError as exc:
+            raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
+
+    def progress(self, dataset: str, key: str) -> TurnProgress | None:
+        """The completed turns kept for ``key``; None when there are none (or they cannot be read)."""
+        try:
+            return msgspec.json.decode(self.progress_path(dataset, key).read_bytes(), type=TurnProgress)
+        except (FileNotFoundError, msgspec.DecodeError):
+            return None
+
+    def clear_progress(self, dataset: str, key: str) -> None:
+        self.progress_path(dataset, key).unlink(missing_ok=True)
 
     # -- quarantine ----------------------------------------------------------------------
     def quarantine_path(self, dataset: str) -> Path:

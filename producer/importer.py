@@ -30,7 +30,8 @@ import msgspec
 from draftfleet.identity import prompt_key
 from draftfleet.ledger import Ledger
 from draftfleet.schemas.config import DatasetConfig
-from draftfleet.schemas.records import DatasetManifest, ResponseRecord, Usage
+from draftfleet.conversation import conversation_record, runs
+from draftfleet.schemas.records import DatasetManifest, Message, PromptTask, ResponseRecord, Turn, Usage
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.producer.enqueue import prompt_messages
@@ -121,6 +122,10 @@ def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row
     """The record of one line, and what decided its finish reason."""
     messages = prompt_messages(ds, prompt)
     key = prompt_key(ds.name, messages, manifest.settings)
+    # a raw export's ``id`` is the key; the row's own id is its ``prompt_id``
+    row_id = (row["prompt_id"] if isinstance(row["prompt_id"], str) else None) if "prompt_id" in row else prompt.row_id
+    if manifest.settings.turns == "all":
+        return _conversation(ds, manifest, messages, key, row_id, row, tok, source), "file"
     text = _output_text(row)
     ids = _output_ids(row)
     reasoning = row.get("reasoning") or row.get("reasoning_content")
@@ -156,9 +161,29 @@ def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row
         backend_kind="gpu" if source_kind == "exact" else "cloud", model=str(row.get("model") or manifest.settings.model),
         token_source=source_kind, usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=theirs or 0, cost_usd=cost),
         cost_usd=float(cost or 0.0), cost_source="provider" if cost is not None else "none", latency_s=0.0,
-        attempts=1, worker="import", created_at=time.time(),
+        attempts=1, worker="import", created_at=time.time(), row_id=row_id,
     )
     return msgspec.structs.replace(record, **_provenance(row, given_ids=source_kind == "exact")), decided
+
+
+def _conversation(ds: DatasetConfig, manifest: DatasetManifest, messages: list[Message], key: str,
+                  row_id: str | None, row: dict[str, Any], tok: TargetTokenizer | None, source: str) -> ResponseRecord:
+    """A conversation's record from a raw export's line of a ``turns = "all"`` dataset: its ``turns``
+    as they were stored (one per user turn, fewer only after a cut turn)."""
+    try:
+        turns = msgspec.convert(row.get("turns"), list[Turn])
+    except msgspec.ValidationError as exc:
+        raise _Bad("turns", f"a line of a multi-turn dataset needs its turns, as a raw export writes them: {exc}") from None
+    n = len(runs(messages))
+    if not turns or len(turns) > n or (len(turns) < n and not turns[-1].truncated):
+        raise _Bad("turns", f"{len(turns)} turns for a conversation of {n} user turns (fewer only after a cut turn)")
+    if tok is not None and any(i < 0 or i >= tok.vocab_size for t in turns for i in t.output_ids):
+        raise _Bad("turns", f"ids outside the tokenizer's vocabulary of {tok.vocab_size}")
+    task = PromptTask(key=key, dataset=ds.name, source=source, messages=messages, settings=manifest.settings,
+                      settings_id=manifest.settings_id, enqueued_at=0.0, row_id=row_id)
+    record = conversation_record(task, turns, "import")
+    given = row.get("source")
+    return msgspec.structs.replace(record, source=given) if isinstance(given, str) and given else record
 
 
 def _provenance(row: dict[str, Any], given_ids: bool) -> dict[str, Any]:

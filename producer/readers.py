@@ -26,6 +26,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from draftfleet.conversation import runs
 from draftfleet.schemas.config import DatasetConfig, FieldMap
 from draftfleet.schemas.records import Message, QuarantineEntry
 
@@ -50,7 +51,9 @@ SHAREGPT_ROLES = {
 
 
 class PromptRow(msgspec.Struct, frozen=True):
-    """One usable row: the system and user turns before the first assistant turn."""
+    """One usable row: the system and user turns before the first assistant turn, or with
+    ``turns = "all"`` every system and user turn, an empty assistant message marking each answer
+    the dataset had before a later user turn (``draftfleet.conversation``)."""
 
     source: str
     messages: list[Message]
@@ -203,7 +206,7 @@ def parse_line(line: bytes, ds: DatasetConfig, where: str, lineno: int,
         detail = f"expected a JSON object per line, got {_type(row)}"
         return None, _rejection(path, where, lineno, "not_object", detail, raw=line)
     try:
-        return row, _prompt_row(row, ds.fields, where)
+        return row, _prompt_row(row, ds.fields, where, ds.turns == "all")
     except _Reject as r:
         return row, _rejection(path, where, lineno, r.kind, r.detail, field=r.field, raw=line)
 
@@ -251,7 +254,7 @@ def _read_parquet(ds: DatasetConfig) -> Iterator[PromptRow | Rejection]:
                 for row in batch.to_pylist():
                     where = f"{name}:row{index}"
                     try:
-                        yield _prompt_row(row, fm, where)
+                        yield _prompt_row(row, fm, where, ds.turns == "all")
                     except _Reject as r:
                         raw = msgspec.json.encode(row, enc_hook=str)
                         yield _rejection(ds.path, where, index, r.kind, r.detail, field=r.field, raw=raw)
@@ -272,7 +275,7 @@ def _shapes(fields: FieldMap) -> list[tuple[str, str]]:
     ]
 
 
-def _prompt_row(row: dict[str, Any], fields: FieldMap, where: str) -> PromptRow:
+def _prompt_row(row: dict[str, Any], fields: FieldMap, where: str, all_turns: bool = False) -> PromptRow:
     """Build the prompt from the first shape whose column is present and not null."""
     shapes = _shapes(fields)
     for shape, col in shapes:
@@ -280,7 +283,7 @@ def _prompt_row(row: dict[str, Any], fields: FieldMap, where: str) -> PromptRow:
         if value is None:
             continue
         if shape == "messages":
-            messages = _turns(value, col)
+            messages = _turns(value, col, all_turns)
         else:
             text = _instruction(row, col, fields) if shape == "instruction" else _string(value, col)
             if not text.strip():
@@ -293,8 +296,11 @@ def _prompt_row(row: dict[str, Any], fields: FieldMap, where: str) -> PromptRow:
     raise _Reject("missing_field", cols[0] if len(cols) == 1 else None, detail)
 
 
-def _turns(value: Any, col: str) -> list[Message]:
-    """The system and user turns before the first assistant turn of an OpenAI or ShareGPT list."""
+def _turns(value: Any, col: str, all_turns: bool = False) -> list[Message]:
+    """The system and user turns before the first assistant turn of an OpenAI or ShareGPT list;
+    with ``all_turns``, every system and user turn, an empty assistant mark where an answer the
+    dataset had is followed by another user turn (answers in a row make one mark; a last answer
+    none: nothing follows it)."""
     if not isinstance(value, list):
         raise _Reject("wrong_type", col, f"expected a list of turns, got {_type(value)}")
     messages: list[Message] = []
@@ -314,16 +320,25 @@ def _turns(value: Any, col: str) -> list[Message]:
             raise _Reject("wrong_type", f"{at}.{role_key}", f"expected a string, got {_type(given)}")
         role = SHAREGPT_ROLES.get(given, given) if role_key == "from" else given
         if role == "assistant":
-            break
+            if not all_turns:
+                break
+            if messages and messages[-1].role != "assistant":
+                messages.append(Message("assistant", ""))
+            continue
         if role not in ("system", "user"):
-            detail = f"role {given!r} before the first assistant turn: a prompt holds only system and user turns"
+            where_ = "in a conversation" if all_turns else "before the first assistant turn"
+            detail = f"role {given!r} {where_}: a prompt holds only system and user turns"
             raise _Reject("unsupported_role", f"{at}.{role_key}", detail)
         content = _content(turn.get(text_key), f"{at}.{text_key}")
         if role == "user" and not content.strip():
             raise _Reject("empty_prompt", f"{at}.{text_key}", "the user turn is empty or whitespace only")
         messages.append(Message(role, content))
+    if messages and messages[-1].role == "assistant":
+        messages.pop()  # the conversation's last answer: nothing follows it
     if not any(m.role == "user" for m in messages):
         raise _Reject("empty_prompt", col, "no user turn before the first assistant turn")
+    if all_turns and not all(any(m.role == "user" for m in run) for run in runs(messages)):
+        raise _Reject("empty_prompt", col, "a run of turns between two answers holds no user turn")
     return messages
 
 

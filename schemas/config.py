@@ -71,6 +71,9 @@ class DatasetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: float = 0.7
     top_p: float = 1.0
     system_prompt: str | None = None
+    # "all": regenerate every assistant turn of a conversation, one task per conversation (README,
+    # "Multi-turn datasets"); "first": answer the turns before the first assistant turn only.
+    turns: Literal["first", "all"] = "first"
 
     def settings(self, model: str) -> GenerationSettings:
         return GenerationSettings(
@@ -79,6 +82,7 @@ class DatasetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             temperature=self.temperature,
             top_p=self.top_p,
             system_prompt=self.system_prompt,
+            turns=self.turns,
         )
 
     @property

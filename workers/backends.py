@@ -22,6 +22,7 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
     text: str
     reasoning: str | None = None
     output_ids: list[int]
+    prompt_ids: list[int] = []  # the target template's render of the messages (what an engine received)
     prompt_tokens: int
     finish_reason: str
     truncated: bool

@@ -20,12 +20,23 @@ import msgspec
 from draftfleet.broker import redact
 from draftfleet.http import make_client
 from draftfleet.schemas.config import CloudBackend
-from draftfleet.schemas.records import PromptTask, Usage
+from draftfleet.schemas.records import Message, PromptTask, Usage
 from draftfleet.tokenizer import TargetTokenizer, TemplateError, TokenizerError
 from draftfleet.workers.backends import Generation, Halt, Permanent, Transient, parse_retry_after
 
 _TRANSIENT_CODES = {408, 429, 500, 502, 503, 504, 520, 522, 524, 529}
 _TRANSIENT_402 = {"openrouter_in_flight_budget", "in_flight_budget_exhausted"}
+
+
+def _message(m: Message) -> dict:
+    """A chat message as sent. An earlier answer of the conversation carries its reasoning as
+    OpenRouter returned it (``reasoning``): the provider renders it with the model's own template,
+    which keeps or drops it as the model expects (Kimi-K2.5 blanks it, Qwen3 drops it from earlier
+    turns), as the GPU path's render of the same history does."""
+    out = {"role": m.role, "content": m.content}
+    if m.reasoning is not None:
+        out["reasoning"] = m.reasoning
+    return out
 
 
 class CloudChat:
@@ -91,7 +102,7 @@ class CloudChat:
         body = {
             **self.cfg.extra_body,
             "model": self.cfg.model,
-            "messages": [{"role": m.role, "content": m.content} for m in task.messages],
+            "messages": [_message(m) for m in task.messages],
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
@@ -137,7 +148,8 @@ class CloudChat:
         except TokenizerError as exc:
             raise Permanent("retokenize", str(exc)) from None
         usage = self._usage(out.get("usage") or {})
-        ours_prompt = len(self.tokenizer.prompt_ids(task.messages))
+        prompt_ids = self.tokenizer.prompt_ids(task.messages)
+        ours_prompt = len(prompt_ids)
         if usage.cost_usd is not None:
             # BYOK: usage.cost is only OpenRouter's fee; the provider bills its own charge too.
             cost, source = usage.cost_usd + ((usage.is_byok and usage.upstream_cost_usd) or 0.0), "provider"
@@ -152,6 +164,7 @@ class CloudChat:
             text=text,
             reasoning=reasoning,
             output_ids=ids,
+            prompt_ids=prompt_ids,
             prompt_tokens=ours_prompt,
             finish_reason="stop" if stopped else ("length" if finish == "length" else str(finish)),
             truncated=finish == "length",

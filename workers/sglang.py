@@ -65,6 +65,7 @@ class SGLangClient(EngineClient):
             text=text,
             reasoning=reasoning,
             output_ids=ids,
+            prompt_ids=input_ids,
             prompt_tokens=prompt_tokens,
             finish_reason=ftype,
             truncated=ftype == "length",

@@ -28,11 +28,12 @@ from kombu.exceptions import OperationalError
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
+from draftfleet.conversation import conversation_record, history, runs
 from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
 from draftfleet.recovery import Recovery
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import FailureRecord, GenerationSettings, PromptTask, ResponseRecord
+from draftfleet.schemas.records import FailureRecord, GenerationSettings, PromptTask, ResponseRecord, Turn, TurnProgress
 from draftfleet.store import Store, StoreError, check_key, check_name
 from draftfleet.workers.backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
@@ -359,8 +360,10 @@ def _fail(rt: Runtime, task: PromptTask, reason: str, detail: str, attempts: int
     return "failed"
 
 
-def _generate(rt: Runtime, task: PromptTask, reasons: list[str]) -> tuple[Generation | None, int, float]:
-    """Run the backend with retries (their reasons appended to ``reasons``).
+def _generate(rt: Runtime, task: PromptTask, reasons: list[str],
+              asked: PromptTask | None = None) -> tuple[Generation | None, int, float]:
+    """Run the backend with retries (their reasons appended to ``reasons``) on ``asked`` (a
+    conversation's turn: the task with its history), else on ``task``, which failures name.
 
     Returns (the generation, or None if the prompt failed; attempts; latency of the last attempt).
     """
@@ -372,7 +375,7 @@ def _generate(rt: Runtime, task: PromptTask, reasons: list[str]) -> tuple[Genera
         t0 = time.monotonic()
         try:
             rt.check_spend()
-            return rt.backend.generate(task), attempt, time.monotonic() - t0
+            return rt.backend.generate(asked or task), attempt, time.monotonic() - t0
         except Halt as exc:
             rt.pause(exc.reason, str(exc), ready=exc.ready)
             raise Reject(exc.reason, requeue=True) from None
@@ -416,8 +419,11 @@ def _store(rt: Runtime, record: ResponseRecord) -> bool:
     return False
 
 
-def _admit(rt: Runtime, task: PromptTask) -> bool:
+def _admit(rt: Runtime, task: PromptTask, turns_left: int = 1, turns: int = 1) -> bool:
     """Reserve the dataset's expected tokens; False once its budget is reached (task skipped).
+
+    A conversation reserves for the ``turns_left`` of its ``turns`` still to come: the dataset's
+    mean per record (a whole conversation) scaled to them, and up to ``max_tokens`` each.
 
     Near the budget, admission waits until what is in flight settles. A task told to wait does
     not keep its slot meanwhile: it goes back to its queue (unstarted), and this worker leaves the
@@ -426,8 +432,8 @@ def _admit(rt: Runtime, task: PromptTask) -> bool:
     budget = rt.budgets.get(task.dataset)
     if budget is None:
         return True
-    expected = rt.ledger.expected_tokens(task.dataset, task.settings.max_tokens)
-    verdict = rt.ledger.admit(task.dataset, task.key, budget, expected, task.settings.max_tokens)
+    expected = max(1, rt.ledger.expected_tokens(task.dataset, task.settings.max_tokens * turns) * turns_left // turns)
+    verdict = rt.ledger.admit(task.dataset, task.key, budget, expected, task.settings.max_tokens * turns_left)
     if verdict == ADMITTED:
         return True
     if verdict == WAIT:
@@ -442,6 +448,44 @@ def _admit(rt: Runtime, task: PromptTask) -> bool:
         rt.ledger.event(task.dataset, "skipped:budget", purged)
     rt.ledger.event(task.dataset, "skipped:budget")
     return False
+
+
+def _progress(rt: Runtime, task: PromptTask) -> list[Turn]:
+    """The completed turns of a conversation an earlier attempt started ([] for a single turn)."""
+    if task.settings.turns != "all":
+        return []
+    kept = rt.store.progress(task.dataset, task.key)
+    return list(kept.turns) if kept is not None else []
+
+
+def _conversation(rt: Runtime, task: PromptTask, done: list[Turn]) -> ResponseRecord | None:
+    """Answer a conversation's user turns in order, each asked with the history of the fleet's own
+    answers (``draftfleet.conversation``); None if a turn failed.
+
+    Each completed turn is kept in the store before the next is asked, so a worker's death, a
+    pause or a retry resumes at the next turn and never pays for a completed one twice. A turn cut
+    at ``max_tokens`` ends the conversation: later turns would build on a cut answer. A conversation
+    that has started finishes on the worker that holds it, also after a pivot or drain (or goes
+    back to its queue whole, its completed turns kept, when the worker pauses or stops).
+    """
+    parts = runs(task.messages)
+    while len(done) < len(parts) and not (done and done[-1].truncated):
+        reasons: list[str] = []
+        gen, attempts, latency = _generate(rt, task, reasons, msgspec.structs.replace(
+            task, messages=history(task.messages, done)))
+        if gen is None:
+            return None
+        done.append(Turn(
+            prompt_ids=gen.prompt_ids, output_ids=gen.output_ids, text=gen.text, reasoning=gen.reasoning,
+            finish_reason=gen.finish_reason, truncated=gen.truncated, prompt_tokens=gen.prompt_tokens,
+            completion_tokens=len(gen.output_ids), backend=rt.backend.name, backend_kind=rt.backend.kind,
+            model=gen.model, token_source=gen.token_source, usage=gen.usage, cost_usd=gen.cost_usd,
+            cost_source=gen.cost_source, latency_s=round(latency, 4), attempts=attempts, worker=rt.hostname,
+            created_at=time.time(), retry_reasons=reasons,
+        ))
+        if len(done) < len(parts) and not gen.truncated:
+            rt.store.put_progress(TurnProgress(key=task.key, dataset=task.dataset, turns=done))
+    return conversation_record(task, done, rt.hostname)
 
 
 def execute(task_self, payload: object) -> str:
@@ -468,30 +512,40 @@ def execute(task_self, payload: object) -> str:
         # finished by a twin between our check and claim (or unreadable: set aside, generated)
         if rt.store.has(task.dataset, task.key) and (done := _count_existing(rt, task, set_aside=True)):
             return done
-        if not _admit(rt, task):
+        turns, done = len(runs(task.messages)), _progress(rt, task)
+        if not _admit(rt, task, turns - len(done), turns):
             return "skipped"
-        reasons: list[str] = []
-        gen, attempts, latency = _generate(rt, task, reasons)
-        if gen is None:
-            return "failed"
-        record = ResponseRecord(
-            key=task.key, dataset=task.dataset, source=task.source, settings_id=task.settings_id,
-            messages=task.messages, system_prompt_used=any(m.role == "system" for m in task.messages),
-            text=gen.text, reasoning=gen.reasoning, output_ids=gen.output_ids, prompt_tokens=gen.prompt_tokens,
-            completion_tokens=len(gen.output_ids), finish_reason=gen.finish_reason, truncated=gen.truncated,
-            backend=rt.backend.name, backend_kind=rt.backend.kind, model=gen.model, token_source=gen.token_source,
-            usage=gen.usage, cost_usd=gen.cost_usd, cost_source=gen.cost_source, latency_s=round(latency, 4),
-            attempts=attempts, retry_reasons=reasons, worker=rt.hostname, created_at=time.time(), row_id=task.row_id,
-        )
-        if not _store(rt, record):
+        if task.settings.turns == "all":
+            record = _conversation(rt, task, done)
+            if record is None:
+                return "failed"
+        else:
+            reasons: list[str] = []
+            gen, attempts, latency = _generate(rt, task, reasons)
+            if gen is None:
+                return "failed"
+            record = ResponseRecord(
+                key=task.key, dataset=task.dataset, source=task.source, settings_id=task.settings_id,
+                messages=task.messages, system_prompt_used=any(m.role == "system" for m in task.messages),
+                text=gen.text, reasoning=gen.reasoning, output_ids=gen.output_ids, prompt_tokens=gen.prompt_tokens,
+                completion_tokens=len(gen.output_ids), finish_reason=gen.finish_reason, truncated=gen.truncated,
+                backend=rt.backend.name, backend_kind=rt.backend.kind, model=gen.model, token_source=gen.token_source,
+                usage=gen.usage, cost_usd=gen.cost_usd, cost_source=gen.cost_source, latency_s=round(latency, 4),
+                attempts=attempts, retry_reasons=reasons, worker=rt.hostname, created_at=time.time(), row_id=task.row_id,
+            )
+        stored = _store(rt, record)
+        if record.turns:
+            rt.store.clear_progress(task.dataset, task.key)
+        if not stored:
             # A twin stored the key while we generated; ours was paid for all the same.
             rt.ledger.charge(record.backend, record.cost_usd)
             return _count_existing(rt, task, set_aside=False) or "duplicate"
         rt.ledger.count(record)
         if record.truncated:
             rt.ledger.event(task.dataset, "truncated")
-        log.info("stored %s %s: %d tokens from %s in %.2fs (%s, attempt %d)", task.dataset, task.source,
-                 record.completion_tokens, record.backend, record.latency_s, record.finish_reason, attempts)
+        log.info("stored %s %s: %d tokens from %s in %.2fs (%s, attempt %d%s)", task.dataset, task.source,
+                 record.completion_tokens, record.backend, record.latency_s, record.finish_reason, record.attempts,
+                 f", {len(record.turns)} turns" if record.turns else "")
         return "stored"
     finally:
         try:

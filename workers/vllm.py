@@ -83,6 +83,7 @@ class VLLMClient(EngineClient):
             text=text,
             reasoning=reasoning,
             output_ids=ids,
+            prompt_ids=input_ids,
             prompt_tokens=len(input_ids),
             finish_reason=finish,
             truncated=finish == "length",
