@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+from transformers import AutoTokenizer
 
 from draftfleet import redis_keys as rk
 from draftfleet.conversation import history, runs
@@ -18,7 +19,9 @@ from draftfleet.schemas.config import DatasetConfig, load_config
 from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
 from draftfleet.store import Store
 
+from . import specforge_render as sf
 from .conftest import run_cli, wait_until, write_config, write_jsonl
+from .test_export_training import CHATML_THINKING
 from .test_fleet import KEY_ENV, _enqueue
 
 ORIGINAL = "ORIGINALANSWER"
@@ -155,6 +158,22 @@ def test_multiturn_dataset_end_to_end_on_gpu_and_cloud_with_a_pivot(tmp_path, re
         answers = [t for t in row["conversations"] if t["role"] == "assistant"]
         assert len(answers) == len(rec.turns) - rec.truncated and ORIGINAL not in json.dumps(row)
         assert row["metadata"]["prompt_id"] == rec.row_id
+    # SpecForge's preprocessing renders each conversation to the generated ids of all its turns,
+    # except where an exact answer's ids are not its text's own encoding (the history is text)
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    rows_of: dict[str, list[dict]] = {}
+    for row in token_rows:
+        rows_of.setdefault(row["primary_id"], []).append(row)
+    equal = 0
+    for row in convs:
+        kept = rows_of[row["id"]][:row["metadata"]["turns"]]
+        ids_equal, covers, extra = sf.compare(sf.parse(hf, sf.no_default_system(CHATML_THINKING), row), kept)
+        canonical = all(target_tokenizer.roundtrip_mismatches([t.output_ids]) == 0
+                        for t in records[row["id"]].turns[:row["metadata"]["turns"]])
+        assert ids_equal == canonical and (not ids_equal or covers)
+        assert extra <= len(kept) - 1  # the newline after each earlier answer's <|im_end|>, trained by SpecForge
+        equal += ids_equal
+    print(f"\nmulti-turn: SpecForge-rendered ids equal to the generated ids in {equal} of {len(convs)} conversations")
     # a raw export imports back as the same conversations
     again = tmp_path / "again"
     cfg2 = write_config(again, tokenizer=tokenizer_dir, datasets=[{"name": "ds", "path": str(data), "max_tokens": 50,
