@@ -216,3 +216,22 @@ def test_sglang_client_waits_for_warm_up_and_for_a_slow_health_probe(emulator_fa
         assert time.monotonic() - t0 >= 6.0 and client.model == "test/chatml"
     finally:
         client.close()
+
+
+def test_sglang_max_tokens_over_the_context_halts_a_long_prompt_fails(emulator_factory, target_tokenizer) -> None:
+    """SGLang refuses input + max_new_tokens over the context length with a 400. When max_tokens
+    alone does not fit, every prompt of the dataset would fail: a setting, so the worker halts.
+    Otherwise only this prompt is too long: it fails, under its own reason."""
+    emu = emulator_factory(time_scale=0, context_length=100, length="fixed:8")
+    client = SGLangClient(emu.url, SGLangBackend(), target_tokenizer, inflight=2)
+    try:
+        with pytest.raises(Halt) as halted:
+            client.generate(task(max_tokens=128))
+        assert halted.value.reason == "max_tokens_exceeded"
+        assert "max_tokens" in str(halted.value) and "100" in str(halted.value)
+        with pytest.raises(Permanent) as failed:
+            client.generate(task(max_tokens=64, text="explain " * 60))
+        assert failed.value.reason == "context_length" and "context length" in str(failed.value)
+        assert client.generate(task(max_tokens=64)).output_ids
+    finally:
+        client.close()

@@ -10,9 +10,16 @@ Many requests are kept open at once by the worker's threads: SGLang batches them
 
 from __future__ import annotations
 
+import re
+
+import httpx
+
 from draftfleet.schemas.records import PromptTask, Usage
-from draftfleet.workers.backends import Generation, Transient
-from draftfleet.workers.engine import EngineClient
+from draftfleet.workers.backends import Generation, Halt, Permanent, Transient
+from draftfleet.workers.engine import EngineClient, error_message
+
+# TokenizerManager._validate_one_request's words (sglang 0.5.23) when input + max_new_tokens is too long.
+_OVER_CONTEXT = re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens for the completion", re.S)
 
 
 class SGLangClient(EngineClient):
@@ -28,6 +35,18 @@ class SGLangClient(EngineClient):
         if info is None:
             info = self.get_json("/get_model_info")
         return str(info.get("model_path") or "") if isinstance(info, dict) else ""
+
+    def rejected(self, resp: httpx.Response) -> Exception:
+        """A 400 for the context length: max_tokens that no prompt can fit is a setting (halt, or
+        every prompt of the dataset fails); otherwise this prompt is too long (it fails)."""
+        message = error_message(resp)
+        over = _OVER_CONTEXT.search(message) if resp.status_code == 400 else None
+        if over and int(over.group(2)) >= int(over.group(1)):
+            return Halt("max_tokens_exceeded", f"{self.endpoint}: max_tokens {over.group(2)} does not fit the model's "
+                        f"context length of {over.group(1)} tokens: lower the dataset's max_tokens ({message})")
+        if resp.status_code == 400 and "context length" in message:
+            return Permanent("context_length", message)
+        return super().rejected(resp)
 
     def generate(self, task: PromptTask) -> Generation:
         s = task.settings
