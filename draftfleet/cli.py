@@ -84,12 +84,13 @@ def cmd_enqueue(args) -> int:
         print(msgspec.json.encode(summaries).decode())
         return status
     table = Table(title="enqueue")
-    for col in ("dataset", "version", "read", "queued", "already done", "already queued", "failed before",
-                "duplicates", "rejected"):
+    for col in ("dataset", "version", "read", "queued", "already done", "already queued", "in flight",
+                "failed before", "duplicates", "rejected"):
         table.add_column(col, justify="right" if col not in ("dataset",) else "left")
     for s in summaries:
         table.add_row(s.dataset, str(s.version), str(s.read), str(s.queued), str(s.already_done),
-                      str(s.already_queued), str(s.failed_before), str(s.duplicate_in_input), str(s.rejected))
+                      str(s.already_queued), str(s.in_flight), str(s.failed_before), str(s.duplicate_in_input),
+                      str(s.rejected))
     out.print(table)
     for s in summaries:
         if s.rejected:

@@ -108,7 +108,7 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
                 return 1
             time.sleep(0.2)
         summaries = [enqueue_dataset(cfg, ds, app, r, st) for ds in cfg.datasets]
-        expected = {s.dataset: s.queued + s.already_done + s.already_queued for s in summaries}
+        expected = {s.dataset: s.queued + s.already_done + s.already_queued + s.in_flight for s in summaries}
         console.print(f"demo: {sum(s.queued for s in summaries)} prompts queued", highlight=False)
         total = sum(expected.values())
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

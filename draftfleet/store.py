@@ -8,6 +8,7 @@ Layout under the root::
     _unreadable/<dataset>/<key>.<ns>.json   record files that could not be read, set aside
     _quarantine/<dataset>.jsonl        input lines that were rejected, verbatim
     _progress/<dataset>/<key>.json     completed turns of a conversation still being generated
+    _hidden/<dataset>/v<N>/...         captured hidden states, one file per record turn (hidden.py)
 
     .draftfleet-store                  marker: this folder is a fleet store (see ``Store.prepare``)
 Writes are atomic (temp file in the same folder, fsync, then ``link``): ``link`` fails when the
@@ -35,7 +36,7 @@ _record_decoder = msgspec.json.Decoder(ResponseRecord)
 _failure_decoder = msgspec.json.Decoder(FailureRecord)
 MARKER = ".draftfleet-store"
 # What a store made before the marker existed can hold: it is recognised, and marked.
-_FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "lost+found"}
+_FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "lost+found"}
 _manifest_decoder = msgspec.json.Decoder(DatasetManifest)
 _quarantine_decoder = msgspec.json.Decoder(QuarantineEntry)
 
