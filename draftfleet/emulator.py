@@ -633,6 +633,10 @@ class _App:
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except asyncio.CancelledError:
+            # Closed by stop() or by the disconnect watcher: end quietly. (Python 3.11's stream
+            # server logs a traceback for a connection task that ends cancelled.)
+            pass
         finally:
             self._connections.discard(task)
             writer.close()
