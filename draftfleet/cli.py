@@ -103,11 +103,49 @@ def cmd_enqueue(args) -> int:
     return status
 
 
+# -- capture -----------------------------------------------------------------------------------
+def cmd_capture(args) -> int:
+    import msgspec
+
+    from draftfleet.broker import connect, resolve_redis_url
+    from draftfleet.hidden import CaptureError
+    from draftfleet.producer.capture import queue_capture
+    from draftfleet.store import Store
+    from draftfleet.workers.app import make_app
+
+    cfg = _config(args)
+    url = resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store)
+    app, r, store = make_app(url, cfg.fleet.visibility_timeout_s), connect(url), Store(cfg.fleet.store)
+    summaries, status = [], 0
+    for name in args.dataset or [d.name for d in cfg.datasets]:
+        try:
+            summaries.append(queue_capture(cfg, store, app, r, name, new_version=args.new_version,
+                                           ignore_space=args.ignore_space))
+        except CaptureError as exc:
+            err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+            status = 1
+    if args.json:
+        print(msgspec.json.encode(summaries).decode())
+        return status
+    for c in summaries:
+        out.print(f"{c.dataset} capture v{c.version} (layers {c.layer_ids}): {c.units:,} record turns, {c.done:,} "
+                  f"captured, {c.queued:,} queued ({c.already_queued:,} already queued); {c.tokens_to_capture:,} "
+                  f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB of {c.free_bytes / 1e9:,.1f} GB free", highlight=False)
+    return status
+
+
 # -- worker ------------------------------------------------------------------------------------
 def cmd_worker(args) -> int:
     from draftfleet.workers.worker import run_worker
 
     cfg = _config(args)
+    if args.kind == "capture":
+        from draftfleet.workers.capture import run_capture_worker
+
+        gpus = [int(g) for g in args.gpu.split(",")] if args.gpu is not None else None
+        run_capture_worker(cfg, url=args.url, gpus=gpus, slots=args.inflight, datasets=args.dataset,
+                           redis_url=args.redis_url, name=args.name, loglevel=args.loglevel)
+        return 0
     if args.kind == "reconciler":
         from draftfleet.workers.reconciler import run_reconciler
 
@@ -421,6 +459,10 @@ def _print_inventory(invs) -> None:
             checks.append(f"round-trip mismatch share {100 * v.roundtrip_mismatch_share:.1f}% "
                           f"({v.roundtrip_mismatched} of {v.roundtrip_checked} exact records)")
         out.print("validation: " + ", ".join(checks), highlight=False)
+        if (h := inv.hidden_states) is not None:
+            out.print(f"hidden states v{h.version} (layers {h.layer_ids}): {h.files:,} of {h.units:,} turns captured, "
+                      f"{h.tokens:,} tokens, {h.bytes / 1e9:,.3f} GB"
+                      + (f" ({h.bytes / h.tokens:,.0f} B/token)" if h.tokens else ""), highlight=False)
         if v.roundtrip_mismatch_share is not None:
             out.print(f"  round-trip mismatch share: {ROUNDTRIP_MEANING}", highlight=False)
         for f in v.unreadable_files[:10]:
@@ -496,16 +538,39 @@ def cmd_export(args) -> int:
         err.print(f"[red]error[/]: unknown dataset(s) {', '.join(unknown)}: {root} has "
                   + (", ".join(known) or "no datasets"), highlight=False)
         return 1
-    tok = _optional_tokenizer(args, cfg)  # also tells the manifest which answers' reasoning the template renders
+    from draftfleet.export import features
+
+    hidden_formats = [f for f in args.format if f in features.FORMATS]
+    text_formats = [f for f in args.format if f not in features.FORMATS]
+    tok = _optional_tokenizer(args, cfg) if text_formats else None  # also tells which reasoning the template renders
     try:
-        manifests = [export_dataset(store, name, args.out, args.format, exclude_truncated=args.exclude_truncated,
+        manifests = [export_dataset(store, name, args.out, text_formats, exclude_truncated=args.exclude_truncated,
                                     exclude_invalid=args.exclude_invalid, include_truncated=args.include_truncated,
-                                    tokenizer=tok) for name in names]
+                                    tokenizer=tok) for name in names] if text_formats else []
+        if hidden_formats:
+            from draftfleet.hidden import CaptureError, HiddenStore, capture_settings
+
+            try:
+                model_path = capture_settings(cfg)[0].path if cfg else None
+            except CaptureError:
+                model_path = None
+            captured = names if args.dataset else [n for n in names if HiddenStore(store).versions(n)]
+            found = [features.export_features(store, name, args.out, hidden_formats, model_path=model_path,
+                                              version=args.capture_version, torch_python=args.torch_python)
+                     for name in captured]
+            if args.json:
+                print(msgspec.json.encode(found).decode())
+            else:
+                for f in found:
+                    out.print(f"exported {f.rows:,} captured turns ({f.tokens:,} tokens) of {f.dataset} capture "
+                              f"v{f.capture_version}: " + ", ".join(f.folders.values())
+                              + (f"; {f.missing:,} turns not captured yet" if f.missing else ""), highlight=False)
     except ExportError as exc:
         err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
         return 1
     if args.json:
-        print(msgspec.json.encode(manifests).decode())
+        if text_formats:
+            print(msgspec.json.encode(manifests).decode())
         return 0
     for m in manifests:
         out.print(f"exported {m.records:,} records of {m.dataset} to {args.out}: "
@@ -539,13 +604,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_enqueue)
 
     sp = sub.add_parser("worker", help="run a worker: gpu (one per SGLang or vLLM server) or cloud")
-    sp.add_argument("kind", choices=["gpu", "cloud", "reconciler"],
+    sp.add_argument("kind", choices=["gpu", "cloud", "reconciler", "capture"],
                     help="gpu: one per SGLang or vLLM server; cloud: an OpenAI-compatible API; "
-                    "reconciler: counters vs the store")
+                    "reconciler: counters vs the store; capture: hidden states of stored records (vLLM)")
     common(sp)
     sp.add_argument("--engine", choices=["sglang", "vllm"],
                     help="gpu: the engine (default: the one of [backends.sglang] / [backends.vllm] configured)")
-    sp.add_argument("--url", help="gpu: URL of a running SGLang or vLLM server")
+    sp.add_argument("--url", help="gpu, capture: URL of a running SGLang or vLLM server (capture: started for it)")
     sp.add_argument("--gpu", help="gpu: launch the engine on these GPUs: 0; 0,1 for one TP group of tp=2; "
                     "0-7 or all for one worker and server per group of [backends.ENGINE.launch].tp GPUs")
     sp.add_argument("--inflight", type=int, help="gpu: requests kept in flight (default [backends.ENGINE].inflight)")
@@ -558,6 +623,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--metrics-address", default="127.0.0.1", help="reconciler: metrics bind address")
     sp.add_argument("--loglevel", default="INFO", help="DEBUG, INFO (one line per prompt; default), WARNING or ERROR")
     sp.set_defaults(func=cmd_worker)
+
+    sp = sub.add_parser("capture", help="queue hidden-state capture of every stored record turn without one (resume)")
+    common(sp)
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
+    sp.add_argument("--new-version", action="store_true",
+                    help="start a new capture version when the model or layers differ from the stored capture's")
+    sp.add_argument("--ignore-space", action="store_true",
+                    help="queue even when the estimated size exceeds the store's free space")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sp.set_defaults(func=cmd_capture)
 
     sp = sub.add_parser("emulator", help="serve SGLang /generate and OpenAI chat completions on loopback (tests, demo)")
     sp.add_argument("--tokenizer", required=True, help="tokenizer folder (the emulator's ids come from it)")
@@ -660,9 +735,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--dataset", "-d", action="append",
                     help="export this dataset (repeatable; default every dataset of the config or store)")
-    sp.add_argument("--format", "-f", action="append", choices=["sharegpt", "raw", "tokens"], required=True,
-                    help="sharegpt: SpecForge conversations; raw: raw_responses with ids; tokens: input_ids + loss_mask "
-                    "rows (repeatable)")
+    sp.add_argument("--format", "-f", action="append", choices=["sharegpt", "raw", "tokens", "speculators", "specforge"],
+                    required=True, help="sharegpt: SpecForge conversations; raw: raw_responses with ids; tokens: "
+                    "input_ids + loss_mask rows; speculators / specforge: captured hidden states in each trainer's "
+                    "offline layout (repeatable)")
+    sp.add_argument("--capture-version", type=int, help="speculators/specforge: the capture version (default the latest)")
+    sp.add_argument("--torch-python", help="specforge: an interpreter with torch and safetensors to write its "
+                    "torch.save files (default this one, when it has torch)")
     sp.add_argument("--out", required=True,
                     help="folder for <dataset>.<format>.jsonl and <dataset>.manifest.json (other datasets' files stay)")
     sp.add_argument("--exclude-truncated", action="store_true", help="leave out responses cut at max_tokens (every format)")
@@ -678,7 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that run once and end: a private Redis they had to start is stopped on the way out.
-ONE_SHOT = ("inventory", "export", "import", "reconcile", "status", "failures", "drain", "pivot")
+ONE_SHOT = ("inventory", "export", "import", "reconcile", "status", "failures", "drain", "pivot", "capture")
 
 
 def main(argv: list[str] | None = None) -> int:

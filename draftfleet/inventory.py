@@ -68,6 +68,17 @@ class Validation(msgspec.Struct, kw_only=True):
     roundtrip_mismatch_share: float | None = None  # roundtrip_mismatched / roundtrip_checked
 
 
+class HiddenInventory(msgspec.Struct, kw_only=True):
+    """The latest capture version of a dataset: its layers, and what its files hold (``hidden.py``)."""
+
+    version: int
+    layer_ids: list[int]
+    units: int  # record turns of the dataset (each gets one file)
+    files: int
+    tokens: int
+    bytes: int
+
+
 class DatasetInventory(msgspec.Struct, kw_only=True):
     dataset: str
     responses: int
@@ -84,6 +95,7 @@ class DatasetInventory(msgspec.Struct, kw_only=True):
     spend_usd: float
     cost_to_finish_usd: dict[str, float]
     validation: Validation
+    hidden_states: HiddenInventory | None = None
 
 
 def record_tokens(rec: ResponseRecord) -> int:
@@ -303,7 +315,19 @@ def run_inventory(
             keys = _dataset_keys(ds, manifest.settings if manifest else ds.settings(cfg.fleet.model))
         else:
             budget = manifest.budget_tokens if manifest else None
-        out.append(inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,
-                                     roundtrip_sample=roundtrip_sample, processes=processes, prompt_keys=keys))
+        inv = inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,
+                                roundtrip_sample=roundtrip_sample, processes=processes, prompt_keys=keys)
+        out.append(msgspec.structs.replace(inv, hidden_states=_hidden_inventory(store, name, inv.turns)))
     return out
+
+
+def _hidden_inventory(store: Store, dataset: str, units: int) -> HiddenInventory | None:
+    from draftfleet.hidden import HiddenStore
+
+    hidden = HiddenStore(store)
+    m = hidden.manifest(dataset)
+    if m is None:
+        return None
+    files, tokens, size = hidden.usage(dataset, m.version)
+    return HiddenInventory(version=m.version, layer_ids=m.layer_ids, units=units, files=files, tokens=tokens, bytes=size)
 

@@ -122,3 +122,18 @@ WORKERS = f"{PREFIX}workers"
 def worker_report(hostname: str) -> str:
     """A worker's own last report (JSON, with a TTL): kind, backend, in flight, paused."""
     return f"{PREFIX}worker:{hostname}"
+
+
+# Hidden-state capture (workers/capture.py): its own task and one queue per dataset, named apart
+# from the generation queues so that nothing reading those (recovery, status) mistakes them.
+CAPTURE_TASK_NAME = "draftfleet.capture"
+CAPTURE_QUEUE_PREFIX = "draftfleet-capture."
+
+
+def capture_queue(dataset: str) -> str:
+    return f"{CAPTURE_QUEUE_PREFIX}{dataset}"
+
+
+def capture_progress(dataset: str) -> str:
+    """Hash of a dataset's capture: version, units (to capture when queued), queued, captured, failed."""
+    return f"{PREFIX}capture:{dataset}"

@@ -74,11 +74,23 @@ class SpendRow(msgspec.Struct, kw_only=True):
     cap_usd: float | None
 
 
+class CaptureRow(msgspec.Struct, kw_only=True):
+    """A dataset's hidden-state capture, from the counters ``draftfleet capture`` and the capture workers keep."""
+
+    dataset: str
+    version: int
+    units: int  # record turns when the capture was last queued
+    captured: int  # of them with a file: those there at queue time plus those stored since
+    queued: int  # capture tasks waiting in the queue now
+    failed: int
+
+
 class Snapshot(msgspec.Struct, kw_only=True):
     at: float
     workers: list[WorkerRow]
     datasets: list[DatasetRow]
     spend: list[SpendRow]
+    capture: list[CaptureRow] = []
 
 
 def worker_reports(r: redis.Redis) -> list[dict]:
@@ -154,7 +166,18 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
         ))
     spend = [SpendRow(backend=name, spent_usd=ledger.spend_usd(name), cap_usd=cb.max_spend_usd)
              for name, cb in sorted(cfg.clouds.items())]
-    return Snapshot(at=now, workers=workers, datasets=rows, spend=spend)
+    return Snapshot(at=now, workers=workers, datasets=rows, spend=spend, capture=capture_rows(r, [n for n, _ in chosen]))
+
+
+def capture_rows(r: redis.Redis, datasets: list[str]) -> list[CaptureRow]:
+    rows = []
+    for name in datasets:
+        h = {k.decode(): int(v) for k, v in r.hgetall(rk.capture_progress(name)).items()}
+        if h:
+            rows.append(CaptureRow(dataset=name, version=h.get("version", 0), units=h.get("units", 0),
+                                   captured=min(h.get("units", 0), h.get("done", 0) + h.get("captured", 0)),
+                                   queued=r.llen(rk.capture_queue(name)), failed=h.get("failed", 0)))
+    return rows
 
 
 def _eta(d: DatasetRow) -> str:
@@ -225,4 +248,10 @@ def render(snap: Snapshot) -> Group:
     st = _table("cloud spend", [("backend", False), ("spent $", True), ("cap $", True)])
     for s in snap.spend:
         st.add_row(s.backend, _usd(s.spent_usd), _usd(s.cap_usd) if s.cap_usd is not None else "-")
-    return Group(wt, dt, bt, st)
+    if not snap.capture:
+        return Group(wt, dt, bt, st)
+    ct = _table("hidden-state capture", [("dataset", False), ("version", True), ("captured", True), ("of", True),
+                                         ("queued", True), ("failed", True)])
+    for c in snap.capture:
+        ct.add_row(c.dataset, f"v{c.version}", _n(c.captured), _n(c.units), _n(c.queued), _n(c.failed))
+    return Group(wt, dt, bt, st, ct)

@@ -49,8 +49,9 @@ class TaskSender:
     open ``producer.batch()`` buffers them.
     """
 
-    def __init__(self, app: Celery, producer, queue: str):
+    def __init__(self, app: Celery, producer, queue: str, task_name: str = rk.TASK_NAME):
         conf = app.conf
+        self._task_name = task_name
         self._amqp = app.amqp
         self._producer = producer
         self._queue = queue
@@ -62,7 +63,7 @@ class TaskSender:
 
     def send(self, task_id: str, payload: object, argsrepr: str) -> None:
         headers, properties, body, sent = self._amqp.create_task_message(
-            task_id, rk.TASK_NAME, [payload], None, argsrepr=argsrepr, kwargsrepr="{}", reply_to=self._reply_to,
+            task_id, self._task_name, [payload], None, argsrepr=argsrepr, kwargsrepr="{}", reply_to=self._reply_to,
             ignore_result=None, create_sent_event=self._events is not None,
         )
         self._producer.publish(body, headers=headers, **self._publish, **properties)

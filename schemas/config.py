@@ -162,6 +162,23 @@ class CloudBackend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pause_s: float = 300.0
 
 
+class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[capture]``: hidden-state capture of stored records (``draftfleet capture``, ``worker capture``).
+
+    ``model_path`` is the target's folder (config.json, weights): its layer count gives the default
+    layers, its final norm the post-norm state of SpecForge's export; default the vLLM launch's.
+    ``aux_layers`` are vLLM's ids (k: the residual stream entering decoder layer k), default the
+    trainers' [2, N/2, N-3]. ``storage_path`` is where the engine's connector writes each request's
+    file before the worker moves it into the store: a folder both can reach (default
+    ``<store>/_hidden/_incoming``).
+    """
+
+    model_path: str | None = None
+    aux_layers: list[int] | None = None
+    inflight: int = 16
+    storage_path: str | None = None
+
+
 class FleetConfig(msgspec.Struct, kw_only=True):
     fleet: FleetSection
     datasets: list[DatasetConfig]
@@ -169,6 +186,7 @@ class FleetConfig(msgspec.Struct, kw_only=True):
     vllm: VLLMBackend | None = None
     clouds: dict[str, CloudBackend]
     path: str
+    capture: CaptureSection = msgspec.field(default_factory=CaptureSection)
 
     def dataset(self, name: str) -> DatasetConfig:
         for ds in self.datasets:
@@ -249,7 +267,7 @@ def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
     base = Path(path).resolve().parent
     if "fleet" not in data:
         raise ConfigError(f"{path}: missing [fleet] table")
-    unknown = set(data) - {"fleet", "datasets", "backends"}
+    unknown = set(data) - {"fleet", "datasets", "backends", "capture"}
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s): {', '.join(sorted(unknown))}")
     fleet = _convert(data["fleet"], FleetSection, "fleet", path)
@@ -297,8 +315,14 @@ def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
         if cb.concurrency < 1:
             raise ConfigError(f"{path}: backends.{name}.concurrency: must be at least 1")
         clouds[name] = cb
+    capture = _convert(data.get("capture", {}), CaptureSection, "capture", path)
+    if capture.inflight < 1:
+        raise ConfigError(f"{path}: capture.inflight: must be at least 1")
+    capture = msgspec.structs.replace(
+        capture, model_path=_resolve(base, capture.model_path) if capture.model_path else None,
+        storage_path=_resolve(base, capture.storage_path) if capture.storage_path else None)
     cfg = FleetConfig(fleet=fleet, datasets=datasets, sglang=engines["sglang"], vllm=engines["vllm"], clouds=clouds,
-                      path=str(Path(path)))
+                      path=str(Path(path)), capture=capture)
     if cfg.longest_task_s() >= fleet.visibility_timeout_s:
         raise ConfigError(
             f"{path}: fleet.visibility_timeout_s: {fleet.visibility_timeout_s}s is shorter than the longest "

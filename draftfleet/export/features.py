@@ -1,0 +1,118 @@
+"""Exports of the captured hidden states (``-f speculators``, ``-f specforge``), behind ``draftfleet export``.
+
+Rows are the record turns that have a file in the capture version (the latest by default), in
+the order of the other exports (by source file, then line, then key; turns in order), so row i of
+each format is the same sample. The ids and loss mask are the file's own token ids and the stored
+prompt length (loss 0 on the prompt, 1 on the answer), never re-rendered. Turns without a file
+are counted as missing, not exported. Output folders: ``<out>/<dataset>.speculators/`` and
+``<out>/<dataset>.specforge/``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+from draftfleet.conversation import record_turns
+from draftfleet.export import ExportError, _order
+from draftfleet.export import specforge, speculators
+from draftfleet.hidden import HiddenStore, TargetModel, encode_safetensors, read_safetensors
+from draftfleet.store import Store
+
+FORMATS = ("speculators", "specforge")
+
+
+class FeaturesManifest(msgspec.Struct, kw_only=True):
+    dataset: str
+    capture_version: int
+    layer_ids: list[int]
+    model: str
+    rows: int
+    tokens: int
+    missing: int  # record turns with output ids but no captured file (run draftfleet capture)
+    folders: dict[str, str]
+
+
+def _rows(store: Store, dataset: str, version: int) -> tuple[list[tuple[str, list[int], list[int], str, int]], int]:
+    """(id, ids, loss mask, file, prompt length) per captured turn, in export order; and how many lack a file."""
+    hidden = HiddenStore(store)
+    rows, missing = [], 0
+    for rec in sorted(store.records(dataset), key=_order):
+        for turn, t in enumerate(record_turns(rec)):
+            if not t.output_ids:
+                continue
+            path = hidden.path(dataset, version, rec.key, turn)
+            if not path.exists():
+                missing += 1
+                continue
+            tensors, meta = read_safetensors(path)
+            ids = tensors["token_ids"][1].tolist()
+            prompt_len = int(meta["prompt_len"])
+            rid = f"{rec.key}_gen{turn}" if rec.turns else rec.key
+            rows.append((rid, ids, [0] * prompt_len + [1] * (len(ids) - prompt_len), str(path), prompt_len))
+    return rows, missing
+
+
+def _torch_here() -> bool:
+    return importlib.util.find_spec("torch") is not None and importlib.util.find_spec("safetensors.torch") is not None
+
+
+def export_features(store: Store, dataset: str, out_dir: str | Path, formats: list[str], *,
+                    model_path: str | None, version: int | None = None, torch_python: str | None = None) -> FeaturesManifest:
+    """Write the dataset's hidden-state exports; ``model_path`` (the target's folder) gives SpecForge's norm."""
+    hidden = HiddenStore(store)
+    m = hidden.manifest(dataset, version)
+    if m is None:
+        raise ExportError(f"{dataset}: no captured hidden states" + (f" in version {version}" if version else "")
+                          + ": run draftfleet capture and a capture worker first")
+    rows, missing = _rows(store, dataset, m.version)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    folders = {}
+    if "speculators" in formats:
+        folder = out / f"{dataset}.speculators"
+        speculators.write(folder, [(r[0], r[1], r[2], r[3]) for r in rows])
+        folders["speculators"] = str(folder)
+    if "specforge" in formats:
+        if not model_path:
+            raise ExportError("-f specforge needs the target model's folder for its final norm ([capture] model_path)")
+        model = TargetModel.load(model_path)
+        if model.config_sha256 != m.model_config_sha256:
+            raise ExportError(f"{model_path} is not the model {dataset} v{m.version} was captured with "
+                              f"(config sha256 {model.config_sha256[:12]} != {m.model_config_sha256[:12]})")
+        folder = out / f"{dataset}.specforge"
+        _write_specforge(folder, rows, model, torch_python)
+        folders["specforge"] = str(folder)
+    return FeaturesManifest(dataset=dataset, capture_version=m.version, layer_ids=m.layer_ids, model=m.model,
+                            rows=len(rows), tokens=sum(len(r[1]) for r in rows), missing=missing, folders=folders)
+
+
+def _write_specforge(folder: Path, rows: list, model: TargetModel, torch_python: str | None) -> None:
+    import shutil
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(prefix="draftfleet-norm-") as tmp:
+        norm = Path(tmp) / "norm.safetensors"
+        norm.write_bytes(encode_safetensors({"weight": ("F32", model.final_norm_weight())}, {}))
+        plan = {"norm": str(norm), "eps": model.rms_norm_eps, "samples": [
+            {"hs": r[3], "out": specforge.sample_path(str(folder), i), "prompt_len": r[4]} for i, r in enumerate(rows)]}
+        if torch_python is None and _torch_here():
+            specforge.write_samples(plan)
+            return
+        python = torch_python or sys.executable
+        if torch_python is None:
+            raise ExportError("-f specforge writes torch.save files and this interpreter has no torch: pass "
+                              "--torch-python with an interpreter that has torch and safetensors (e.g. the engine's "
+                              "venv), or pip install 'draftfleet[specforge]'")
+        done = subprocess.run([python, specforge.__file__], input=json.dumps(plan), capture_output=True, text=True)
+        if done.returncode:
+            raise ExportError(f"{python} could not write the SpecForge files: {done.stderr.strip()[-1500:]}")
+

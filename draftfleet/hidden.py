@@ -1,0 +1,296 @@
+"""Hidden states: the EAGLE-3 features of stored records, one write-once file per record turn.
+
+Layout under the store root (beside the records, never inside a dataset's shards)::
+
+    _hidden/<dataset>/v<N>/capture.json                      CaptureManifest: model, layers
+    _hidden/<dataset>/v<N>/<key[:2]>/<key>.<turn>.safetensors
+
+The unit is (record key, turn index): a single-turn record has turn 0; a conversation one file
+per regenerated turn. A file holds ``token_ids`` int64 [T] (the turn's prompt ids then its
+output ids, as stored) and ``hidden_states`` bf16 [T, L, H]: the auxiliary layers in ascending
+order, then the last layer's output BEFORE the final norm (vLLM/speculators layer ids, where id k
+is the residual stream entering decoder layer k and id N the last layer's output; FORMATS.md,
+"Hidden states"). That is speculators' own per-row layout, so its export is a copy; SpecForge's
+post-norm last layer is derived from it at export (the norm cannot be undone, so the pre-norm
+state is the one kept). The header metadata names the key, turn and prompt length.
+
+Files are written like records: temp file, fsync, ``link`` (fails if the target exists), so of
+two workers capturing the same unit exactly one file is stored. A version holds one capture
+setting (model identity and layer ids); other settings need a new version (``--new-version``).
+
+safetensors is written and read here with numpy: numpy has no bfloat16, so bf16 tensors travel
+as their uint16 bit patterns (the file format is the same: 8-byte header length, JSON header,
+little-endian data).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from draftfleet.conversation import record_turns
+from draftfleet.export import tokens
+from draftfleet.schemas.config import FleetConfig
+from draftfleet.schemas.records import CaptureManifest, ResponseRecord
+from draftfleet.store import Store, StoreError, _fsync_dir, _why, _write_temp, check_key, check_name
+from draftfleet.tokenizer import TargetTokenizer
+
+HIDDEN_DIR = "_hidden"
+MANIFEST = "capture.json"
+_FILE_RE = re.compile(r"^([0-9a-f]{64})\.(\d+)\.safetensors$")
+_DTYPES = {"BF16": np.uint16, "I64": np.int64, "F32": np.float32, "I32": np.int32, "F16": np.float16}
+_NAMES = {np.dtype(np.int64): "I64", np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}
+_manifest_decoder = msgspec.json.Decoder(CaptureManifest)
+# Where transformers checkpoints keep the final norm (text models; multimodal ones such as Kimi-K2.5)
+FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
+
+
+class CaptureError(ValueError):
+    """A capture that cannot run as asked (other settings in the store, a model folder unread)."""
+
+
+# -- layers and the target model ---------------------------------------------------------------
+def default_aux_layers(num_layers: int) -> list[int]:
+    """The aux layer ids SpecForge and speculators both use: r_2, r_{N/2}, r_{N-3} (vLLM ids)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+class TargetModel(msgspec.Struct, frozen=True, kw_only=True):
+    """What capture needs to know of the target, read from its folder's ``config.json``."""
+
+    path: str
+    num_layers: int
+    hidden_size: int
+    rms_norm_eps: float
+    config_sha256: str
+
+    @classmethod
+    def load(cls, path: str | Path) -> TargetModel:
+        p = Path(path) / "config.json"
+        try:
+            raw = p.read_bytes()
+            cfg = json.loads(raw)
+        except (OSError, ValueError) as exc:
+            raise CaptureError(f"{p}: cannot read the target model's config ({exc})") from None
+        text = cfg.get("text_config") or cfg  # multimodal targets (Kimi-K2.5) nest the language model
+        try:
+            return cls(path=str(path), num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
+                       rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), config_sha256=hashlib.sha256(raw).hexdigest())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CaptureError(f"{p}: no num_hidden_layers/hidden_size ({exc})") from None
+
+    def layer_ids(self, aux: list[int] | None) -> list[int]:
+        """The ids vLLM is asked for: the aux layers ascending, then N (the pre-norm last layer)."""
+        ids = sorted(aux if aux else default_aux_layers(self.num_layers))
+        if len(set(ids)) != len(ids) or ids[0] < 1 or ids[-1] >= self.num_layers:
+            raise CaptureError(f"aux layer ids {ids}: need distinct ids within 1..{self.num_layers - 1} "
+                               f"for a {self.num_layers}-layer target")
+        return [*ids, self.num_layers]
+
+    def final_norm_weight(self) -> np.ndarray:
+        """The final norm's weight as float32, from the model folder's safetensors files."""
+        folder = Path(self.path)
+        index = folder / "model.safetensors.index.json"
+        try:
+            where = json.loads(index.read_text())["weight_map"] if index.exists() else None
+            for name in FINAL_NORM_NAMES:
+                file = folder / (where[name] if where else "model.safetensors") if not where or name in where else None
+                if file is None:
+                    continue
+                header, offset = _header(file)
+                if name in header:
+                    w = _read_tensor(file, header[name], offset)
+                    return bf16_to_f32(w) if header[name]["dtype"] == "BF16" else w.astype(np.float32)
+        except (OSError, ValueError, KeyError) as exc:
+            raise CaptureError(f"{folder}: cannot read the final norm weight ({exc})") from None
+        raise CaptureError(f"{folder}: none of {', '.join(FINAL_NORM_NAMES)} in its weights")
+
+
+def capture_settings(cfg: FleetConfig) -> tuple[TargetModel, list[int]]:
+    """The target model and the layer ids this fleet captures with (``[capture]``)."""
+    path = cfg.capture.model_path or (cfg.vllm.launch.model_path if cfg.vllm and cfg.vllm.launch else None)
+    if not path:
+        raise CaptureError(f"{cfg.path}: capture needs the target model's folder: [capture] model_path "
+                           "(or [backends.vllm.launch] model_path)")
+    model = TargetModel.load(path)
+    return model, model.layer_ids(cfg.capture.aux_layers)
+
+
+def storage_path(cfg: FleetConfig) -> str:
+    """Where the engine's connector writes each request's file (the worker moves it into the store)."""
+    return cfg.capture.storage_path or str(Path(cfg.fleet.store) / HIDDEN_DIR / "_incoming")
+
+
+def record_units(rec: ResponseRecord, tok: TargetTokenizer) -> list[tuple[list[int], int]]:
+    """Per turn of a record: (its prompt ids then its output ids, the prompt's length).
+
+    The ids are the token export's (``export/tokens.py``): a conversation's turns keep the prompt
+    ids the engine received; a single-turn record's prompt is the template's render of its
+    messages, as the GPU worker sent it. An exact record whose render differs in length from the
+    prompt the engine counted was made with another tokenizer or template: refused.
+    """
+    units = []
+    for row, turn in zip(tokens.rows(rec, {}, tok), record_turns(rec)):
+        ids = row["input_ids"]
+        prompt_len = len(ids) - len(turn.output_ids)
+        if turn.token_source == "exact" and not turn.prompt_ids and prompt_len != turn.prompt_tokens:
+            raise CaptureError(f"record {rec.key}: the prompt renders to {prompt_len} ids, the engine ran "
+                               f"{turn.prompt_tokens}: another tokenizer or chat template than at generation")
+        units.append((ids, prompt_len))
+    return units
+
+
+def bytes_per_token(manifest: CaptureManifest) -> int:
+    return len(manifest.layer_ids) * manifest.hidden_size * 2 + 8
+
+
+# -- bfloat16 and safetensors with numpy -------------------------------------------------------
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as torch's ``.to(torch.bfloat16)`` does (finite values)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n > 100_000_000:
+            raise ValueError(f"{path}: not a safetensors file")
+        return json.loads(fh.read(n)), 8 + n
+
+
+def _read_tensor(path: Path, info: dict, offset: int) -> np.ndarray:
+    start, end = info["data_offsets"]
+    dtype = _DTYPES[info["dtype"]]
+    with open(path, "rb") as fh:
+        fh.seek(offset + start)
+        data = fh.read(end - start)
+    return np.frombuffer(data, dtype=dtype).reshape(info["shape"])
+
+
+def read_safetensors(path: str | Path) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
+    """``{name: (dtype, array)}`` and the metadata; BF16 arrays come as uint16 bit patterns."""
+    path = Path(path)
+    header, offset = _header(path)
+    meta = header.pop("__metadata__", None) or {}
+    return {name: (info["dtype"], _read_tensor(path, info, offset)) for name, info in header.items()}, meta
+
+
+def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str]) -> bytes:
+    """The bytes of a safetensors file; each tensor given as (dtype name, contiguous array)."""
+    header: dict = {"__metadata__": metadata}
+    chunks, pos = [], 0
+    for name, (dtype, arr) in tensors.items():
+        data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [pos, pos + len(data)]}
+        chunks.append(data)
+        pos += len(data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(head)) + head + b"".join(chunks)
+
+
+def dtype_name(arr: np.ndarray) -> str:
+    return _NAMES[arr.dtype]
+
+
+# -- the store ------------------------------------------------------------------------------
+class HiddenStore:
+    """The hidden-state files of a store, per dataset and capture version."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.root = store.root / HIDDEN_DIR
+
+    def version_dir(self, dataset: str, version: int) -> Path:
+        return self.root / check_name(dataset) / f"v{int(version)}"
+
+    def path(self, dataset: str, version: int, key: str, turn: int) -> Path:
+        check_key(key)
+        return self.version_dir(dataset, version) / key[:2] / f"{key}.{int(turn)}.safetensors"
+
+    def has(self, dataset: str, version: int, key: str, turn: int) -> bool:
+        return os.path.lexists(self.path(dataset, version, key, turn))
+
+    def versions(self, dataset: str) -> list[int]:
+        base = self.root / check_name(dataset)
+        if not base.is_dir():
+            return []
+        return sorted(int(e.name[1:]) for e in os.scandir(base) if re.fullmatch(r"v\d+", e.name)
+                      and os.path.isfile(os.path.join(e.path, MANIFEST)))
+
+    def manifest(self, dataset: str, version: int | None = None) -> CaptureManifest | None:
+        """The manifest of ``version`` (default: the latest), None when nothing was captured."""
+        if version is None:
+            versions = self.versions(dataset)
+            if not versions:
+                return None
+            version = versions[-1]
+        p = self.version_dir(dataset, version) / MANIFEST
+        return _manifest_decoder.decode(p.read_bytes()) if p.exists() else None
+
+    def write_manifest(self, m: CaptureManifest) -> None:
+        folder = self.version_dir(m.dataset, m.version)
+        final = folder / MANIFEST
+        tmp = _write_temp(folder, msgspec.json.format(msgspec.json.encode(m)))
+        try:
+            os.link(tmp, final)  # the first manifest of a version stays: settings never change under files
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+
+    def put(self, dataset: str, version: int, key: str, turn: int, data: bytes) -> bool:
+        """Write the unit's file once. True if this call stored it, False if it was there already."""
+        final = self.path(dataset, version, key, turn)
+        if os.path.lexists(final):
+            return False
+        try:
+            tmp = _write_temp(final.parent, data)
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            _fsync_dir(final.parent)
+        except OSError as exc:
+            raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
+        return True
+
+    def files(self, dataset: str, version: int) -> Iterator[tuple[str, int, str]]:
+        """(key, turn, path) of every stored file of a version, unsorted."""
+        base = self.version_dir(dataset, version)
+        if not base.is_dir():
+            return
+        for shard in os.scandir(base):
+            if shard.is_dir() and len(shard.name) == 2:
+                for e in os.scandir(shard.path):
+                    m = _FILE_RE.match(e.name)
+                    if m:
+                        yield m.group(1), int(m.group(2)), e.path
+
+    def usage(self, dataset: str, version: int) -> tuple[int, int, int]:
+        """(files, tokens, bytes) of a version: sizes from the directory, tokens from each header."""
+        files = tokens = size = 0
+        for _key, _turn, path in self.files(dataset, version):
+            try:
+                header, _offset = _header(Path(path))
+                tokens += int(header["token_ids"]["shape"][0])
+                size += os.stat(path).st_size
+            except (OSError, ValueError, KeyError):
+                continue  # vanished or unreadable: not counted
+            files += 1
+        return files, tokens, size

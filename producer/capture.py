@@ -1,0 +1,130 @@
+"""``draftfleet capture``: queue a capture task for every stored record turn without hidden states.
+
+The store is the truth, as for ``enqueue``: a unit (record key, turn) with a file in the dataset's
+capture version is done; every other one is queued, unless its task already waits in the queue.
+Re-running it is the resume, also after a worker died holding tasks or Redis lost its queues
+(a unit queued twice is harmless: the store keeps one file).
+
+A capture version records the target model (its ``config.json`` hash), the layer ids and the
+hidden size. Asking for other settings than the latest version's is refused unless
+``new_version``: files made with two settings would train a drafter on a mix.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import msgspec
+import redis
+from celery import Celery
+
+from draftfleet import redis_keys as rk
+from draftfleet.conversation import record_turns
+from draftfleet.hidden import CaptureError, HiddenStore, bytes_per_token, capture_settings
+from draftfleet.producer.enqueue import PUBLISH_BATCH, TaskSender
+from draftfleet.schemas.config import FleetConfig
+from draftfleet.schemas.records import CaptureManifest, CaptureTask
+from draftfleet.store import Store
+
+
+class CaptureSummary(msgspec.Struct, kw_only=True):
+    dataset: str
+    version: int
+    layer_ids: list[int]
+    units: int  # record turns of the dataset with output ids
+    done: int  # of them with a file already
+    queued: int
+    already_queued: int
+    tokens_to_capture: int
+    bytes_estimate: int
+    free_bytes: int
+
+
+def existing_version(hidden: HiddenStore, wanted: CaptureManifest, new_version: bool) -> CaptureManifest | None:
+    """The latest version if its settings are ``wanted``'s; None when a new one is to start."""
+    current = hidden.manifest(wanted.dataset)
+    if current is None or new_version:
+        return None
+    if (current.model_config_sha256, current.layer_ids, current.hidden_size) == (
+            wanted.model_config_sha256, wanted.layer_ids, wanted.hidden_size):
+        return current
+    raise CaptureError(
+        f"{wanted.dataset}: capture version {current.version} holds layers {current.layer_ids} of a model with "
+        f"config sha256 {current.model_config_sha256[:12]} (hidden {current.hidden_size}); this config asks for "
+        f"layers {wanted.layer_ids} of {wanted.model_config_sha256[:12]} (hidden {wanted.hidden_size}): pass "
+        f"--new-version to start version {current.version + 1}")
+
+
+def start_version(hidden: HiddenStore, wanted: CaptureManifest) -> CaptureManifest:
+    """Write the manifest of the next version (the first one written wins a race) and return it."""
+    current = hidden.manifest(wanted.dataset)
+    version = current.version + 1 if current is not None else 1
+    hidden.write_manifest(msgspec.structs.replace(wanted, version=version))
+    return hidden.manifest(wanted.dataset, version)
+
+
+def _waiting(r: redis.Redis, queue: str) -> set[str]:
+    """Task ids of the messages waiting in ``queue`` (not those a worker holds)."""
+    ids = set()
+    for raw in r.lrange(queue, 0, -1):
+        try:
+            ids.add(msgspec.json.decode(raw)["headers"]["id"])
+        except (msgspec.DecodeError, KeyError, TypeError):
+            continue
+    return ids
+
+
+def task_id(task: CaptureTask) -> str:
+    return f"{task.key}.{task.turn}.v{task.version}"
+
+
+def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, dataset: str, *,
+                  new_version: bool = False, ignore_space: bool = False) -> CaptureSummary:
+    """Queue the dataset's record turns that lack hidden states; refuse when they will not fit."""
+    model, layer_ids = capture_settings(cfg)
+    hidden = HiddenStore(store)
+    wanted = CaptureManifest(dataset=dataset, version=0, model=cfg.fleet.model, model_config_sha256=model.config_sha256,
+                             num_layers=model.num_layers, hidden_size=model.hidden_size, layer_ids=layer_ids,
+                             created_at=time.time())
+    existing = existing_version(hidden, wanted, new_version)
+    pending: list[tuple[CaptureTask, int]] = []
+    units = done = 0
+    version = existing.version if existing is not None else None
+    for rec in store.records(dataset):
+        for turn, t in enumerate(record_turns(rec)):
+            if not t.output_ids:
+                continue
+            units += 1
+            if version is not None and hidden.has(dataset, version, rec.key, turn):
+                done += 1
+                continue
+            pending.append((CaptureTask(dataset=dataset, key=rec.key, turn=turn, version=0),
+                            t.prompt_tokens + len(t.output_ids)))
+    tokens = sum(n for _, n in pending)
+    need = tokens * bytes_per_token(wanted)
+    free = shutil.disk_usage(store.root).free
+    if need > free and not ignore_space:
+        raise CaptureError(f"{dataset}: capturing {len(pending):,} record turns ({tokens:,} tokens) needs about "
+                           f"{need / 1e9:,.1f} GB and {store.root} has {free / 1e9:,.1f} GB free: make room, or pass "
+                           "--ignore-space to start anyway")
+    m = existing or start_version(hidden, wanted)
+    queue = rk.capture_queue(dataset)
+    waiting = _waiting(r, queue)
+    queued = already = 0
+    with app.producer_or_acquire() as producer, producer.batch(max_size=PUBLISH_BATCH):
+        sender = TaskSender(app, producer, queue, rk.CAPTURE_TASK_NAME)
+        for task, _n in pending:
+            task = msgspec.structs.replace(task, version=m.version)
+            tid = task_id(task)
+            if tid in waiting:
+                already += 1
+                continue
+            sender.send(tid, msgspec.to_builtins(task), f"{dataset} {task.key[:12]} turn {task.turn}")
+            queued += 1
+    r.delete(rk.capture_progress(dataset))
+    r.hset(rk.capture_progress(dataset), mapping={"version": m.version, "units": units, "done": done,
+                                                  "queued": queued + already, "captured": 0, "failed": 0})
+    return CaptureSummary(dataset=dataset, version=m.version, layer_ids=m.layer_ids, units=units, done=done,
+                          queued=queued, already_queued=already, tokens_to_capture=tokens, bytes_estimate=need,
+                          free_bytes=free)

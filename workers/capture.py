@@ -1,0 +1,357 @@
+"""The capture task: a stored record turn's exact ids through vLLM's hidden-state extraction, stored once.
+
+``draftfleet capture`` queues one :class:`CaptureTask` per (record key, turn) that has no file in
+the dataset's capture version; ``draftfleet worker capture`` runs them against a vLLM server
+started with ``extract_hidden_states`` and the fleet's connector (``vllm_connector.py``). The
+prompt sent is the turn's stored prompt ids followed by its output ids, never text, with
+``max_tokens`` 1: vLLM's prefill computes the state of every one of those tokens, and the
+connector writes them (the one generated token is thrown away). The worker checks the file
+holds exactly the ids sent, the version's layers and hidden size, and only finite values, then
+stores it write-once (``hidden.py``) and deletes the engine's copy.
+
+Delivery is at-least-once, like generation: a message is acknowledged after the file is stored
+(or the unit is recorded as failed); a redelivered copy finds the file and stops. A worker killed
+mid-run leaves its unit without a file, never with a half one; its message comes back after the
+visibility timeout, or at once with the next ``draftfleet capture`` (the resume).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import redis
+from celery import Celery
+from celery.exceptions import Reject
+
+from draftfleet import redis_keys as rk
+from draftfleet.hidden import (CaptureError, HiddenStore, capture_settings, encode_safetensors, read_safetensors,
+                               record_units, storage_path)
+from draftfleet.schemas.config import FleetConfig, VLLMLaunch
+from draftfleet.schemas.records import CaptureManifest, CaptureTask
+from draftfleet.store import Store, StoreError, check_key, check_name
+from draftfleet.tokenizer import TargetTokenizer
+from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
+from draftfleet.workers.consumer import dead_letter
+from draftfleet.workers.vllm import VLLMClient
+
+log = logging.getLogger("draftfleet.capture")
+
+CONNECTOR_CLASS = "DraftfleetHiddenStatesConnector"
+CONNECTOR_MODULE = "draftfleet.workers.vllm_connector"
+FILE_WAIT_S = 120.0  # the connector writes the file after the answer: how long to wait for it
+INFRA_RETRY_S = 5.0
+
+
+def engine_args(layer_ids: list[int], storage_path: str) -> list[str]:
+    """The ``vllm serve`` flags of a capture server: the extraction method asked for the layer
+    ids, and the fleet's connector writing under ``storage_path``."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    kv = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": storage_path}}
+    # No prefix caching: every state of a request is computed for it, none taken from an earlier one.
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
+
+
+def connector_path(folder: str | Path) -> str:
+    """A folder to put on the engine's ``PYTHONPATH`` so that it imports the connector module.
+
+    It holds a ``draftfleet`` package whose ``workers`` is a link to this installation's: the
+    engine imports ``draftfleet.workers.vllm_connector`` and nothing else of the fleet (its own
+    environment lacks the fleet's dependencies; the fleet's site-packages must not shadow its own).
+    """
+    from draftfleet import workers
+
+    shim = Path(folder) / "draftfleet"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text('"""Only the connector module of the fleet, for the engine."""\n')
+    link = shim / "workers"
+    target = Path(workers.__file__).resolve().parent
+    if not (link.is_symlink() and link.resolve() == target):
+        tmp = shim / f".workers.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target, target_is_directory=True)
+        os.replace(tmp, link)
+    return str(folder)
+
+
+def capture_server(launch: VLLMLaunch, gpus: list[int], port: int, layer_ids: list[int], storage_path: str,
+                   env: dict[str, str] | None = None, log_path: str | Path | None = None):
+    """The fleet's launcher (``EngineServer``) for a vLLM capture server (not started)."""
+    from draftfleet.workers.launcher import EngineServer
+
+    Path(storage_path).mkdir(parents=True, exist_ok=True)
+    shim = connector_path(Path(storage_path) / ".connector")
+    env = dict(env or {})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")) if p)
+    launch = msgspec.structs.replace(launch, extra_args=[*launch.extra_args, *engine_args(layer_ids, storage_path)])
+    return EngineServer(launch, gpus, port=port, log_path=log_path, env=env)
+
+
+class CaptureClient(VLLMClient):
+    """A vLLM capture server: ids in, the path of their hidden states out, then the file read."""
+
+    def capture(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int64 [T], hidden states as bf16 bits uint16 [T, L, H]) for exactly ``ids``."""
+        body: dict = {"prompt": ids, "max_tokens": 1, "temperature": 0.0}
+        if self.model:
+            body["model"] = self.model
+        out = self.post("/v1/completions", body)
+        params = out.get("kv_transfer_params") if isinstance(out, dict) else None
+        path = params.get("hidden_states_path") if isinstance(params, dict) else None
+        if not isinstance(path, str):
+            raise Halt("no_hidden_states", f"{self.endpoint} returned no hidden_states_path: start it with the "
+                       "capture flags (draftfleet worker capture --gpu, or README 'Hidden states')")
+        try:
+            return _read_engine_file(path)
+        finally:
+            for p in (path, path + ".lock"):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+
+
+def _read_engine_file(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Wait for the connector to finish the file (it holds ``<path>.lock`` while writing), read it."""
+    deadline = time.monotonic() + FILE_WAIT_S
+    while True:
+        try:
+            with open(path + ".lock") as lock:
+                while True:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise Transient("hidden_states_timeout", f"{path} still being written after {FILE_WAIT_S:.0f}s") from None
+                        time.sleep(0.02)
+        except FileNotFoundError:
+            pass  # no lock file: the engine writes without one; the file appears whole (renamed)
+        if os.path.exists(path):
+            break
+        if time.monotonic() > deadline:
+            raise Halt("hidden_states_unreachable", f"the engine's file {path} does not appear here: the worker must "
+                       "see the engine's storage_path at the same path (same host or a shared file system)")
+        time.sleep(0.05)
+    try:
+        tensors, _meta = read_safetensors(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise Transient("hidden_states_unreadable", f"{path}: {exc}") from None
+    ids, states = tensors.get("token_ids"), tensors.get("hidden_states")
+    if ids is None or states is None or states[0] != "BF16":
+        raise Transient("hidden_states_unreadable", f"{path}: expected token_ids and bf16 hidden_states")
+    return ids[1].astype(np.int64), states[1]
+
+
+def check_states(ids: list[int], got_ids: np.ndarray, states: np.ndarray, m: CaptureManifest) -> None:
+    """Refuse anything but the states of exactly ``ids`` at the version's layers; no inf/NaN."""
+    if got_ids.tolist() != ids:
+        raise Transient("hidden_states_ids", f"the engine captured {len(got_ids)} ids that are not the {len(ids)} sent")
+    want = (len(ids), len(m.layer_ids), m.hidden_size)
+    if states.shape != want:
+        raise Halt("hidden_states_shape", f"captured states of shape {states.shape}, the version wants {want} "
+                   f"(layers {m.layer_ids}, hidden {m.hidden_size}): is the server started with these layers?")
+    if ((states & 0x7F80) == 0x7F80).any():  # bf16 exponent all ones: inf or NaN
+        raise Permanent("hidden_states_not_finite", "the captured states hold inf or NaN")
+
+
+class CaptureRuntime:
+    """Per-process state of a capture worker."""
+
+    def __init__(self, cfg: FleetConfig, store: Store, r: redis.Redis, client: CaptureClient, tokenizer: TargetTokenizer,
+                 hostname: str, layer_ids: list[int], model_sha: str):
+        self.cfg, self.store, self.r, self.client, self.tokenizer = cfg, store, r, client, tokenizer
+        self.hidden = HiddenStore(store)
+        self.hostname = hostname
+        self.layer_ids = layer_ids
+        self.model_sha = model_sha
+        self._manifests: dict[tuple[str, int], CaptureManifest] = {}
+
+    def manifest(self, dataset: str, version: int) -> CaptureManifest | None:
+        k = (dataset, version)
+        if k not in self._manifests:
+            m = self.hidden.manifest(dataset, version)
+            if m is None:
+                return None
+            self._manifests[k] = m
+        return self._manifests[k]
+
+
+_runtime: CaptureRuntime | None = None
+
+
+def install(rt: CaptureRuntime) -> None:
+    global _runtime
+    _runtime = rt
+
+
+def _queue(task_self) -> str:
+    return (task_self.request.delivery_info or {}).get("routing_key", "?")
+
+
+def _event(rt: CaptureRuntime, dataset: str, field: str) -> None:
+    try:
+        rt.r.hincrby(rk.capture_progress(dataset), field, 1)
+    except redis.RedisError:
+        pass  # progress only: the store is the truth
+
+
+def execute(task_self, payload: object) -> str:
+    """Body of the Celery task; returns what happened (``stored``, ``duplicate``, ``failed``...)."""
+    rt = _runtime
+    assert rt is not None, "capture runtime not installed"
+    queue = _queue(task_self)
+    try:
+        task = msgspec.convert(payload, CaptureTask)
+        check_name(task.dataset)
+        check_key(task.key)
+    except (msgspec.ValidationError, StoreError) as exc:
+        dead_letter(rt.r, queue=queue, reason=f"not a valid capture task: {exc}", body=payload, worker=rt.hostname)
+        return "dead_letter"
+    if queue != rk.capture_queue(task.dataset):
+        dead_letter(rt.r, queue=queue, reason=f"a capture of {task.dataset!r} on queue {queue}", body=payload,
+                    worker=rt.hostname)
+        return "dead_letter"
+    m = rt.manifest(task.dataset, task.version)
+    if m is None:
+        dead_letter(rt.r, queue=queue, reason=f"{task.dataset} has no capture version {task.version}", body=payload,
+                    worker=rt.hostname)
+        return "dead_letter"
+    if m.layer_ids != rt.layer_ids or m.model_config_sha256 != rt.model_sha:
+        # Another worker's settings: leave it queued for a worker that captures with the version's.
+        time.sleep(INFRA_RETRY_S)
+        raise Reject(f"{task.dataset} v{task.version} is captured with layers {m.layer_ids} of another model or "
+                     f"layers than this worker's {rt.layer_ids}", requeue=True)
+    if rt.hidden.has(task.dataset, task.version, task.key, task.turn):
+        return "duplicate"
+    try:
+        record = rt.store.get(task.dataset, task.key)
+    except (FileNotFoundError, msgspec.DecodeError) as exc:
+        dead_letter(rt.r, queue=queue, reason=f"no readable record {task.key}: {exc}", body=payload, worker=rt.hostname)
+        return "dead_letter"
+    units = record_units(record, rt.tokenizer)
+    if not 0 <= task.turn < len(units):
+        dead_letter(rt.r, queue=queue, reason=f"record {task.key} has no turn {task.turn}", body=payload,
+                    worker=rt.hostname)
+        return "dead_letter"
+    ids, prompt_len = units[task.turn]
+    got_ids = states = None
+    failure: Exception | None = None
+    for attempt in range(1, rt.cfg.fleet.max_attempts + 1):
+        try:
+            got_ids, states = rt.client.capture(ids)
+            check_states(ids, got_ids, states, m)
+            failure = None
+            break
+        except Halt as exc:  # the server, not the unit: back to the queue for when it is fixed
+            log.error("capture %s/%s turn %d: %s; the task goes back to its queue", task.dataset, task.key, task.turn, exc)
+            time.sleep(INFRA_RETRY_S)
+            raise Reject(str(exc), requeue=True) from None
+        except Permanent as exc:
+            failure = exc
+            break
+        except Transient as exc:
+            failure = exc
+            if attempt < rt.cfg.fleet.max_attempts:
+                delay = backoff_s(attempt, exc.retry_after)
+                log.warning("capture %s/%s turn %d: %s; retry %d in %.1fs", task.dataset, task.key, task.turn, exc,
+                            attempt, delay)
+                time.sleep(delay)
+    if failure is not None:
+        _event(rt, task.dataset, "failed")
+        log.error("capture %s/%s turn %d failed: %s (a later draftfleet capture queues it again)", task.dataset,
+                  task.key, task.turn, failure)
+        return "failed"
+    meta = {"dataset": task.dataset, "key": task.key, "turn": str(task.turn), "prompt_len": str(prompt_len),
+            "version": str(task.version), "layer_ids": ",".join(map(str, m.layer_ids)), "model": m.model}
+    data = encode_safetensors({"token_ids": ("I64", got_ids), "hidden_states": ("BF16", states)}, meta)
+    if not rt.hidden.put(task.dataset, task.version, task.key, task.turn, data):
+        return "duplicate"
+    _event(rt, task.dataset, "captured")
+    log.info("captured %s %s turn %d: %d tokens", task.dataset, record.source, task.turn, len(ids))
+    return "stored"
+
+
+def register(app: Celery) -> None:
+    """Register the capture task on ``app`` (acks late; a lost worker's message goes back to the queue)."""
+
+    @app.task(name=rk.CAPTURE_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+    def capture(self, *args, **kwargs):
+        try:
+            if len(args) != 1 or kwargs:
+                dead_letter(_runtime.r, queue=_queue(self), reason="not a valid capture task: expected one argument",
+                            body=[list(args), kwargs], worker=_runtime.hostname)
+                return "dead_letter"
+            return execute(self, args[0])
+        except (redis.RedisError, OSError, StoreError) as exc:
+            log.error("%s: %s: %s; the task goes back to its queue in %.0fs", _queue(self), type(exc).__name__, exc,
+                      INFRA_RETRY_S)
+            time.sleep(INFRA_RETRY_S)
+            raise Reject(f"{type(exc).__name__}: {exc}", requeue=True) from None
+
+
+def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[int] | None = None,
+                       slots: int | None = None, datasets: list[str] | None = None, redis_url: str | None = None,
+                       name: str | None = None, loglevel: str = "INFO", ready_timeout_s: float = 600.0) -> None:
+    """Run a capture worker in the foreground until it is stopped (SIGTERM: warm shutdown)."""
+    import socket
+
+    from draftfleet.broker import connect, redact, resolve_redis_url
+    from draftfleet.schemas.config import ConfigError
+    from draftfleet.workers.app import make_app
+    from draftfleet.workers.launcher import port_for
+    from draftfleet.workers.worker import refuse_duplicate_name, setup_logging, worker_datasets
+
+    setup_logging(loglevel)
+    if cfg.vllm is None:
+        raise ConfigError(f"{cfg.path}: a capture worker needs a [backends.vllm] table (hidden states come from vLLM)")
+    model, layer_ids = capture_settings(cfg)
+    broker_url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
+    names = worker_datasets(cfg, datasets)
+    if gpus is None and url is None:
+        raise ConfigError("a capture worker needs --url URL (a vLLM server started for capture) or --gpu N")
+    if gpus is not None and cfg.vllm.launch is None:
+        raise ConfigError(f"{cfg.path}: --gpu needs [backends.vllm.launch] (model_path, port_base)")
+    label = f"capture-gpu{'-'.join(map(str, gpus))}" if gpus is not None else f"capture-{url.rsplit(':', 1)[-1].strip('/')}"
+    hostname = f"{name or label}@{socket.gethostname()}"
+    r = connect(broker_url)
+    refuse_duplicate_name(r, hostname)
+    tokenizer = TargetTokenizer.from_config(cfg.fleet)
+    store = Store(cfg.fleet.store)
+    store.prepare()
+    server = client = None
+    try:
+        if gpus is not None:
+            launch = cfg.vllm.launch
+            server = capture_server(launch, gpus, port_for(launch, gpus), layer_ids, storage_path(cfg))
+            server.start(wait=True)
+            server.supervise()
+            url = server.url
+        n = slots or cfg.capture.inflight
+        client = CaptureClient(url, cfg.vllm, tokenizer, inflight=n)
+        log.info("waiting for vLLM at %s", redact(url))
+        client.wait_ready(ready_timeout_s)
+        app = make_app(broker_url, cfg.fleet.visibility_timeout_s)
+        app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"
+        app.conf.broker_transport = "draftfleet.workers.consumer:Transport"
+        register(app)
+        install(CaptureRuntime(cfg, store, r, client, tokenizer, hostname, layer_ids, model.config_sha256))
+        queues = [rk.capture_queue(d) for d in names]
+        log.info("capture worker %s: layers %s, %d in flight, queues %s", hostname, layer_ids, n, ",".join(queues))
+        app.worker_main(["worker", "-P", "threads", "-c", str(n), "-Q", ",".join(queues), "-n", hostname,
+                         "-l", loglevel.upper(), "-E", "--without-gossip", "--without-mingle"])
+    finally:
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.stop()
+        sys.stdout.flush()

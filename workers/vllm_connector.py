@@ -1,0 +1,79 @@
+"""The KV connector vLLM loads to write a request's hidden states (runs INSIDE the vLLM server).
+
+vLLM's ``extract_hidden_states`` speculative method caches, per token, the target's states at the
+configured layer ids; a KV connector copies them out when the request finishes.
+vLLM's own ``ExampleHiddenStatesConnector`` copies with CUDA events, a CUDA stream and pinned
+memory: on a CPU engine the first finished request kills the engine. This subclass copies
+synchronously (the slot gather already makes a copy; on a GPU it is followed by a plain
+device-to-host copy), then writes the file from the writer threads as the parent does, under the
+same ``.lock`` protocol: the client takes ``LOCK_SH`` on ``<path>.lock`` and reads once it has it.
+The file appears complete or not at all (written beside, then renamed): an engine killed
+mid-write leaves no half file for a reader to take.
+
+vLLM imports it as ``draftfleet.workers.vllm_connector`` (``kv_connector_module_path``): this
+module must import nothing but vLLM, torch, safetensors and the standard library, because it runs
+in the engine's own environment, where the fleet's dependencies are absent.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import torch
+from safetensors.torch import save_file
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+
+class _Copied:
+    """Stands in for the parent's CUDA event: the copy is already done when this exists."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class DraftfleetHiddenStatesConnector(ExampleHiddenStatesConnector):
+    """``ExampleHiddenStatesConnector`` with a synchronous copy and atomic files (CPU and GPU)."""
+
+    @staticmethod
+    def _write_tensors(tensors: dict[str, torch.Tensor], event, filename: str, lock_fd: int | None) -> None:
+        tmp = f"{filename}.{os.getpid()}.partial"
+        try:
+            save_file(tensors, tmp)
+            os.replace(tmp, filename)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases LOCK_EX: the reader may go
+
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        if not self._is_tp_rank_zero:
+            return
+        assert self._kv_cache is not None
+        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(0, self._block_size, dtype=torch.long)
+        slots = (offsets.reshape(1, -1) + block_ids.reshape(-1, 1) * self._block_size).flatten()
+        with gpu_sync_allowed():
+            states = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device),
+                                           pending.token_ids.shape[0]).to("cpu").contiguous()
+        tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
+        assert pending.req_id not in self._req_futures, "another hidden-state write with the same req_id"
+        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        done = _Copied()
+        future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
+        self._req_copy_events[pending.req_id] = done
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(lambda f, req_id=pending.req_id: self._on_write_done(req_id, f))
