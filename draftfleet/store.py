@@ -229,6 +229,8 @@ class Store:
             raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
 
     def failures(self, dataset: str) -> list[FailureRecord]:
+        """Prompts whose retries ran out and that have no result (one stored since, by a twin or
+        before ``put`` cleared failures, is finished: not listed)."""
         base = self.root / "_failures" / check_name(dataset)
         if not base.is_dir():
             return []

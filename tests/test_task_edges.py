@@ -277,7 +277,12 @@ def test_a_failure_recorded_after_a_twin_stored_the_prompt_is_cleared(fleet):
     task = fleet.prompt(6)
     assert fleet.run(rt, task) == "stored"  # the twin that won
     tasks._fail(rt, task, "http_400", "a late copy failed on a 400", 1)  # the copy that lost, late
-    assert fleet.store.failures("ds") == []
+    assert fleet.store.failures("ds") == [] and not fleet.store.failure_path("ds", task.key).exists()
+    # a store written before failures were cleared: a finished prompt is not listed as failed
+    fleet.store.put_failure(FailureRecord(
+        key=task.key, dataset="ds", source=task.source, reason="old", error_kind="http_503", attempts=4,
+        backend="cloudy", worker="old@host", failed_at=time.time(), task=task))
+    assert fleet.store.failure_path("ds", task.key).exists() and fleet.store.failures("ds") == []
 
 
 # -- the quarantine --------------------------------------------------------------------------
