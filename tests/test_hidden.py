@@ -1,0 +1,142 @@
+"""Hidden states without an engine: layer ids, bf16 and safetensors, capture versions and space, the
+speculators layout. The engine, transformers and both trainers' readers: ``tests/engines/test_capture.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pytest
+import safetensors
+from safetensors import safe_open
+
+from draftfleet import redis_keys as rk
+from draftfleet.export import speculators
+from draftfleet.hidden import (CaptureError, HiddenStore, TargetModel, bf16_to_f32, encode_safetensors, f32_to_bf16,
+                               read_safetensors)
+from draftfleet.producer.capture import queue_capture
+from draftfleet.schemas.config import load_config
+from draftfleet.store import Store
+from draftfleet.workers.app import make_app
+
+from tests.conftest import write_config
+from tests.test_core import _record
+
+
+def _model(folder, layers: int = 8, hidden: int = 128):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "hidden_size": hidden}))
+    return folder
+
+
+@pytest.mark.parametrize("layers, ids", [(8, [2, 4, 5, 8]), (61, [2, 30, 58, 61]), (32, [2, 16, 29, 32])])
+def test_default_layers_are_the_trainers_and_end_with_the_pre_norm_last(tmp_path, layers, ids):
+    # SpecForge [1, N//2-1, N-4] (+1 inside SGLang) = speculators/vLLM [2, N//2, N-3]; N = the last layer's output
+    assert TargetModel.load(_model(tmp_path, layers)).layer_ids(None) == ids
+
+
+def test_configured_layers_are_sorted_and_checked(tmp_path):
+    model = TargetModel.load(_model(tmp_path, 8))
+    assert model.layer_ids([6, 1, 3]) == [1, 3, 6, 8]
+    for bad in ([2, 2, 5], [0, 3, 5], [2, 4, 8]):
+        with pytest.raises(CaptureError):
+            model.layer_ids(bad)
+
+
+def test_kimi_like_config_nests_the_language_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}))
+    m = TargetModel.load(tmp_path)
+    assert (m.num_layers, m.hidden_size) == (61, 7168)
+
+
+def test_bf16_rounds_to_nearest_even_like_torch():
+    x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5, 3.140625, 1e-3], dtype=np.float32)
+    bits = f32_to_bf16(x)
+    # 1 + 2^-8 is halfway between 1 and 1 + 2^-7: to even (1); 1 + 3*2^-8 halfway again: to even (1 + 2^-6)
+    assert bits[:4].tolist() == [0x3F80, 0x3F80, 0x3F82, 0xC020]
+    assert bf16_to_f32(bits)[4] == np.float32(3.140625)
+    assert abs(bf16_to_f32(bits)[5] - 1e-3) <= 1e-3 * 2**-8
+
+
+def test_safetensors_written_here_read_by_the_safetensors_package(tmp_path):
+    ids = np.arange(5, dtype=np.int64)
+    states = f32_to_bf16(np.random.default_rng(0).standard_normal((5, 4, 3)).astype(np.float32))
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(encode_safetensors({"token_ids": ("I64", ids), "hidden_states": ("BF16", states)}, {"key": "k"}))
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata() == {"key": "k"} and f.get_tensor("token_ids").tolist() == ids.tolist()
+    got = dict(safetensors.deserialize(path.read_bytes()))
+    assert got["hidden_states"]["dtype"] == "BF16" and list(got["hidden_states"]["shape"]) == [5, 4, 3]
+    assert bytes(got["hidden_states"]["data"]) == states.tobytes()
+    tensors, meta = read_safetensors(path)
+    assert meta == {"key": "k"} and (tensors["hidden_states"][1] == states).all()
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert (8 + n) % 8 == 0  # data 8-byte aligned, as safetensors writes it
+
+
+def test_write_once_per_unit(tmp_path):
+    hidden = HiddenStore(Store(tmp_path))
+    key = "ab" * 32
+    assert hidden.put("ds", 1, key, 0, b"first") and not hidden.put("ds", 1, key, 0, b"second")
+    assert hidden.path("ds", 1, key, 0).read_bytes() == b"first" and hidden.put("ds", 1, key, 1, b"turn 1")
+
+
+def _fleet(tmp_path, tokenizer_dir, hidden: int = 128):
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, datasets=[{"name": "ds", "path": str(tmp_path / "d.jsonl")}])
+    with open(config, "a") as fh:
+        fh.write(f'\n[capture]\nmodel_path = "{_model(tmp_path / "model", hidden=hidden)}"\n')
+    cfg = load_config(config)
+    store = Store(cfg.fleet.store)
+    for i in range(3):
+        store.put(_record(f"{i:02x}" * 32, output_ids=[1, 2, 3, 4], prompt_tokens=6))
+    return cfg, store
+
+
+def test_capture_versions_refuse_other_settings_and_space(tmp_path, tokenizer_dir, redis_server):
+    cfg, store = _fleet(tmp_path, tokenizer_dir)
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    s = queue_capture(cfg, store, app, r, "ds")
+    assert (s.version, s.units, s.queued, s.tokens_to_capture) == (1, 3, 3, 30)
+    assert s.bytes_estimate == 30 * (4 * 128 * 2 + 8) and r.llen(rk.capture_queue("ds")) == 3
+    again = queue_capture(cfg, store, app, r, "ds")  # the tasks still wait: not sent twice
+    assert (again.version, again.queued, again.already_queued) == (1, 0, 3) and r.llen(rk.capture_queue("ds")) == 3
+    hidden = HiddenStore(store)
+    hidden.put("ds", 1, "00" * 32, 0, b"x")
+    assert queue_capture(cfg, store, app, r, "ds").done == 1
+
+    other = msgspec.structs.replace(cfg, capture=msgspec.structs.replace(cfg.capture, aux_layers=[1, 3, 5]))
+    with pytest.raises(CaptureError, match="--new-version to start version 2"):
+        queue_capture(other, store, app, r, "ds")
+    v2 = queue_capture(other, store, app, r, "ds", new_version=True)
+    assert (v2.version, v2.layer_ids, v2.done) == (2, [1, 3, 5, 8], 0)
+    assert hidden.manifest("ds", 1).layer_ids == [2, 4, 5, 8] and hidden.manifest("ds").version == 2
+
+
+def test_capture_refuses_more_than_the_free_space(tmp_path, tokenizer_dir, redis_server):
+    cfg, store = _fleet(tmp_path, tokenizer_dir, hidden=2**40)  # ~2^43 bytes a token
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    with pytest.raises(CaptureError, match="--ignore-space"):
+        queue_capture(cfg, store, app, r, "ds")
+    assert not HiddenStore(store).versions("ds") and not r.llen(rk.capture_queue("ds"))  # nothing started
+    assert queue_capture(cfg, store, app, r, "ds", ignore_space=True).queued == 3
+
+
+def test_speculators_layout_links_the_files_and_aligns_the_rows(tmp_path):
+    files = []
+    for i in range(3):
+        p = tmp_path / f"s{i}.safetensors"
+        p.write_bytes(encode_safetensors({"token_ids": ("I64", np.arange(i + 2, dtype=np.int64))}, {}))
+        files.append((f"id{i}", list(range(i + 2)), [0] + [1] * (i + 1), str(p)))
+    out = tmp_path / "ds.speculators"
+    assert speculators.write(out, files) == 3
+    for i, (_id, _ids, _mask, src) in enumerate(files):  # row i <-> hs_i, the store's file itself
+        assert os.path.samefile(out / "hidden_states" / f"hs_{i}.safetensors", src)
+    table = pa.ipc.open_stream(str(out / speculators.SHARD)).read_all()
+    assert table.column("id").to_pylist() == ["id0", "id1", "id2"]
+    assert table.column("input_ids").to_pylist() == [f[1] for f in files] and table.column("seq_len").to_pylist() == [2, 3, 4]
+    assert table.column("loss_mask").to_pylist() == [f[2] for f in files]
+    assert json.loads((out / "state.json").read_text())["_format_type"] == "torch"
