@@ -234,7 +234,8 @@ class Store:
         base = self.root / "_failures" / check_name(dataset)
         if not base.is_dir():
             return []
-        return [_failure_decoder.decode(p.read_bytes()) for p in sorted(base.glob("*.json"))]
+        found = (_failure_decoder.decode(p.read_bytes()) for p in sorted(base.glob("*.json")))
+        return [f for f in found if not self.has(dataset, f.key)]
 
     def clear_failure(self, dataset: str, key: str) -> None:
         self.failure_path(dataset, key).unlink(missing_ok=True)
