@@ -155,7 +155,8 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def write_config(folder: Path, *, tokenizer: Path, datasets: list[dict], emulator_url: str | None = None,
                  inflight: int = 16, concurrency: int = 8, max_attempts: int = 4, cloud_extra: str = "",
-                 fleet_extra: str = "", sglang_timeout_s: float = 30.0, cloud_timeout_s: float = 10.0) -> Path:
+                 fleet_extra: str = "", sglang_timeout_s: float = 30.0, cloud_timeout_s: float = 10.0,
+                 sglang_extra: str = "") -> Path:
     """A fleet.toml for tests: datasets as dicts, SGLang and a cloud backend on the emulator."""
     lines = ["[fleet]", f'store = "{folder / "store"}"', 'model = "test/chatml"', f'tokenizer = "{tokenizer}"',
              f"max_attempts = {max_attempts}", fleet_extra, ""]
@@ -166,7 +167,7 @@ def write_config(folder: Path, *, tokenizer: Path, datasets: list[dict], emulato
         lines.append("")
     if emulator_url:
         lines += ["[backends.sglang]", f'urls = ["{emulator_url}"]', f"inflight = {inflight}",
-                  f"request_timeout_s = {sglang_timeout_s}", "",
+                  f"request_timeout_s = {sglang_timeout_s}", sglang_extra, "",
                   "[backends.cloudy]", f'base_url = "{emulator_url}/v1"', 'model = "vendor/model"',
                   'api_key_env = "DRAFTFLEET_TEST_KEY"', f"concurrency = {concurrency}", "price_input_per_mtok = 1.0",
                   "price_output_per_mtok = 2.0", f"request_timeout_s = {cloud_timeout_s}", "pause_s = 2.0",

@@ -17,7 +17,7 @@ from draftfleet.store import Store
 from draftfleet.workers.backends import Halt, Permanent, Transient
 from draftfleet.workers.cloud import CloudChat
 from draftfleet.workers.sglang import SGLangClient
-from tests.conftest import run_cli, wait_until, write_jsonl
+from tests.conftest import run_cli, wait_until, write_config, write_jsonl
 
 KEY = "sk-or-v1-client-test-secret"
 USER = [Message(role="user", content="explain how a queue works")]
@@ -65,21 +65,19 @@ def test_cloud_max_tokens_exceeded_halts_naming_max_tokens(cloud) -> None:
     assert chat.generate(task(max_tokens=32)).output_ids
 
 
-def test_cloud_in_body_error_honours_retry_after_seconds(cloud) -> None:
+@pytest.mark.parametrize(("fault", "reason"), [("200_error", "http_502"), ("402_inflight", "in_flight_budget")])
+def test_cloud_transient_errors_wait_as_long_as_they_say(cloud, fault: str, reason: str) -> None:
+    """An in-body error says when to retry in metadata.retry_after_seconds; an in-flight 402 in Retry-After."""
     emu, chat = cloud
-    emu.update(rate_200_error=1.0)
+    emu.update(**{f"rate_{fault}": 1.0})
     with pytest.raises(Transient) as exc:
         chat.generate(task())
-    assert exc.value.reason == "http_502" and exc.value.retry_after == 7
+    assert exc.value.reason == reason and exc.value.retry_after == 7
 
 
-def test_cloud_in_flight_402_is_transient_with_retry_after(cloud) -> None:
+def test_cloud_out_of_credits_halts(cloud) -> None:
     emu, chat = cloud
-    emu.update(rate_402_inflight=1.0)
-    with pytest.raises(Transient) as exc:
-        chat.generate(task())
-    assert exc.value.reason == "in_flight_budget" and exc.value.retry_after == 7
-    emu.update(rate_402_inflight=0.0, rate_402=1.0)
+    emu.update(rate_402=1.0)
     with pytest.raises(Halt) as halted:
         chat.generate(task())
     assert halted.value.reason == "payment_required"
@@ -162,22 +160,9 @@ def test_gpu_worker_refused_by_sglang_pauses_and_resumes_once_the_key_works(tmp_
     emu = emulator_factory(time_scale=0, sglang_api_key="rotated-on-the-server", length="uniform:5:30")
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": f"explain item {i}"}]}
                                               for i in range(20)])
-    config = tmp_path / "fleet.toml"
-    config.write_text(f"""[fleet]
-store = "{tmp_path / 'store'}"
-model = "test/chatml"
-tokenizer = "{tokenizer_dir}"
-
-[[datasets]]
-name = "ds"
-path = "{data}"
-max_tokens = 64
-
-[backends.sglang]
-urls = ["{emu.url}"]
-inflight = 4
-api_key_env = "H4_SGLANG_KEY"
-""")
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url, inflight=4,
+                          datasets=[{"name": "ds", "path": str(data), "max_tokens": 64}],
+                          sglang_extra='api_key_env = "H4_SGLANG_KEY"')
     res = run_cli("enqueue", "--config", str(config), env={"REDIS_URL": redis_server.url})
     assert res.returncode == 0, res.stderr
     workers.start(config, "gpu", redis_url=redis_server.url, env={"H4_SGLANG_KEY": SGLANG_KEY})
