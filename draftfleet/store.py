@@ -130,7 +130,7 @@ class Store:
                 shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
                 raise StoreError(f"refusing store {self.root}: it holds files the fleet did not make ({shown}) "
                                  f"and no {MARKER} marker; use an empty folder")
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o755, parents=True, exist_ok=True)  # not group-writable, whatever the umask
         (root / MARKER).write_text('{"draftfleet_store": 1}\n')
 
     def put(self, record: ResponseRecord) -> bool:

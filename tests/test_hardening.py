@@ -63,6 +63,14 @@ class TestEmbeddedRedis:
         assert "\n" not in str(info.value)  # one line
         assert not (embedded.dir / "redis.conf").exists()
 
+    def test_a_store_it_creates_passes_its_own_check_under_any_umask(self, embedded):
+        old = os.umask(0o002)
+        try:
+            url = embedded.ensure()
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE(embedded.dir.parent.stat().st_mode) == 0o755 and embedded.running_url() == url
+
     def test_refuses_a_symlinked_redis_folder(self, tmp_path, embedded):
         elsewhere = tmp_path / "elsewhere"
         elsewhere.mkdir(mode=0o700)
