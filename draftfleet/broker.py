@@ -88,10 +88,10 @@ def check_private_dir(path: Path) -> None:
     if st.st_uid != os.geteuid():
         raise BrokerError(f"refusing {path}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); "
                           "another user could control the fleet's Redis")
-    loose = st.st_mode & (0o077 if path.name == STATE_DIR else 0o022)
-    if loose:
-        raise BrokerError(f"refusing {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users write or read it; "
-                          f"chmod {'700' if path.name == STATE_DIR else 'go-w'} {path}")
+    state = path.name == STATE_DIR
+    if st.st_mode & (0o077 if state else 0o022):
+        what, fix = ("lets other users in (it holds the password)", "700") if state else ("lets other users write in it", "go-w")
+        raise BrokerError(f"refusing {path}: mode {stat.S_IMODE(st.st_mode):04o} {what}; chmod {fix} {path}")
 
 
 def _write_private(path: Path, text: str) -> None:
