@@ -228,3 +228,82 @@ def test_completed_turns_survive_a_killed_worker(tmp_path, redis_server, tokeniz
     cloud_requests = emu.stats()["by_endpoint"].get("/v1/chat/completions", 0)
     assert cloud_requests == seen["cloud"]  # the cloud paid for each of its turns once
     assert seen["gpu"] <= requests_at_kill  # GPU turns stored are ones generated before the kill
+
+
+@pytest.fixture
+def conversation_worker(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_factory, monkeypatch):
+    """A worker's Runtime in this process (cloud backend on the emulator, real Redis) and a
+    three-turn conversation task of a ``turns = "all"`` dataset with a budget."""
+    from draftfleet.workers import tasks
+    from draftfleet.workers.app import make_app
+    from draftfleet.workers.cloud import CloudChat
+
+    emu = emulator_factory(single_stream_tps=3000, ceiling_tps=100000, length="uniform:5:20", ttft_s=0.0,
+                           api_key=KEY_ENV["DRAFTFLEET_TEST_KEY"])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "unused"}])
+    cfg = load_config(write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url, datasets=[
+        {"name": "ds", "path": str(data), "max_tokens": 64, "turns": "all", "budget_tokens": 1_000_000}]))
+    Store(cfg.fleet.store).prepare()
+    backend = CloudChat("cloudy", cfg.cloud("cloudy"), target_tokenizer, KEY_ENV["DRAFTFLEET_TEST_KEY"])
+    app = make_app(redis_server.url, 3600)
+    tasks.register(app)
+    rt = tasks.Runtime(app, cfg, Store(cfg.fleet.store), redis_server.client(), backend, "conv@test", ["ds"], 1.0)
+    tasks.install(rt)
+    settings = cfg.dataset("ds").settings(cfg.fleet.model)
+    messages = [Message("user", "turn a"), Message("assistant", ""), Message("user", "turn b"),
+                Message("assistant", ""), Message("user", "turn c")]
+    task = PromptTask(key=prompt_key("ds", messages, settings), dataset="ds", source="d.jsonl:1", messages=messages,
+                      settings=settings, settings_id=settings_id(settings), enqueued_at=time.time())
+
+    def run(t: PromptTask):
+        import msgspec
+
+        gen = app.tasks[rk.TASK_NAME]
+        gen.push_request(id=t.key, delivery_info={"routing_key": rk.queue("ds")}, args=[], kwargs={})
+        try:
+            return gen.run(msgspec.to_builtins(t))
+        finally:
+            gen.pop_request()
+
+    yield tasks, rt, task, run, emu
+    rt.stop()
+    backend.close()
+
+
+def test_admission_reserves_for_the_turns_still_to_come(conversation_worker, redis_server):
+    tasks, rt, task, _, _ = conversation_worker
+    r = redis_server.client()
+    assert rt.acquire(task) is not None
+    reserved = []
+    for left in (3, 1):
+        assert tasks._admit(rt, task, left, 3)
+        reserved.append(int(r.hget(rk.reservations("ds"), task.key).decode().split(":")[0]))
+        rt.ledger.release("ds", task.key)
+    # before any response: half of max_tokens per turn, for each turn still to come
+    assert reserved == [3 * 64 // 2, 64 // 2]
+
+
+def test_a_failed_turn_keeps_the_completed_ones_and_a_retry_resumes(conversation_worker, monkeypatch):
+    """Turn 2 is refused (moderation): the failure names the conversation's own task (so requeue
+    sends it again), turn 1 stays kept, and the retry pays only for turns 2 and 3."""
+    tasks, rt, task, run, emu = conversation_worker
+    real = rt.store.put_progress
+
+    def then_refuse(progress):  # the fault arrives with the next request, right after turn 1 is kept
+        real(progress)
+        emu.update(rate_moderation=1.0)
+
+    monkeypatch.setattr(rt.store, "put_progress", then_refuse)
+    assert run(task) == "failed"
+    [failure] = rt.store.failures("ds")
+    assert failure.task == task and failure.error_kind == "moderation"
+    [turn1] = rt.store.progress("ds", task.key).turns
+    assert emu.stats()["by_endpoint"]["/v1/chat/completions"] == 2
+
+    monkeypatch.setattr(rt.store, "put_progress", real)
+    emu.update(rate_moderation=0.0)
+    assert run(failure.task) == "stored"
+    rec = rt.store.get("ds", task.key)
+    assert rec.turns[0] == turn1 and len(rec.turns) == 3
+    assert emu.stats()["by_endpoint"]["/v1/chat/completions"] == 4  # turns 2 and 3 only
+    assert rt.store.progress("ds", task.key) is None and not rt.store.failures("ds")
