@@ -22,6 +22,7 @@ import redis
 from draftfleet import redis_keys as rk
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import DatasetManifest
+from draftfleet.store import StoreError, check_name
 
 KINDS = ("gpu", "cloud")
 
@@ -67,12 +68,15 @@ def publish(r: redis.Redis, manifest: DatasetManifest) -> None:
 
 
 def published(r: redis.Redis) -> dict[str, DatasetManifest]:
-    """Every published dataset's manifest, by name (an unreadable entry is left out)."""
+    """Every published dataset's manifest, by name (an unreadable entry, or one whose name is not
+    a safe dataset name, is left out: names become queue names and store folders)."""
     out = {}
-    for name, raw in r.hgetall(rk.DATASETS).items():
+    for field, raw in r.hgetall(rk.DATASETS).items():
         try:
             manifest = _manifest.decode(raw)
-        except msgspec.DecodeError:
+            if field.decode() != check_name(manifest.name):
+                continue
+        except (msgspec.DecodeError, UnicodeDecodeError, StoreError):
             continue
         out[manifest.name] = manifest
     return out

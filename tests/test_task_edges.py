@@ -318,3 +318,22 @@ def test_quarantine_keeps_every_rejection_and_names_the_imported_file(fleet, tmp
 def _url(r) -> str:
     kw = r.connection_pool.connection_kwargs
     return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+
+
+# -- the published dataset settings ---------------------------------------------------------
+
+
+def test_published_settings_leave_out_unsafe_or_unreadable_entries(fleet):
+    import msgspec
+
+    from draftfleet.assign import publish, published
+    from draftfleet.schemas.records import DatasetManifest
+
+    settings = fleet.cfg.dataset("ds").settings(fleet.cfg.fleet.model)
+    good = DatasetManifest(name="ds", version=1, settings=settings, settings_id=settings_id(settings),
+                           budget_tokens=500, created_at=time.time())
+    publish(fleet.r, good)
+    fleet.r.hset(rk.DATASETS, "../etc", msgspec.json.encode(msgspec.structs.replace(good, name="../etc")))
+    fleet.r.hset(rk.DATASETS, "other", msgspec.json.encode(good))  # a field that is not its own name
+    fleet.r.hset(rk.DATASETS, "junk", b"{not json")
+    assert published(fleet.r) == {"ds": good}
