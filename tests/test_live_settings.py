@@ -52,7 +52,7 @@ def test_budget_lowered_then_raised_while_the_worker_runs(tmp_path, redis_server
     low = ledger.dataset_totals("ds")["completion_tokens"] + 1500
     _enqueue(config(low), redis_server.url)
     published_at = _tokens(store, "ds")  # (past `low` already if enqueue was slow to start)
-    wait_until(lambda: ledger.closed_at("ds") is not None, 20, 0.1, f"the dataset to close\n{workers.logs()}")
+    wait_until(lambda: ledger.closed_at("ds") is not None, 60, 0.1, f"the dataset to close\n{workers.logs()}")
     wait_until(lambda: _settled(r, "ds"), 20, 0.1, "in-flight work to end")
     assert ledger.closed_at("ds") == low and r.llen(rk.queue("ds")) == 0
     at_low = _tokens(store, "ds")
@@ -63,7 +63,7 @@ def test_budget_lowered_then_raised_while_the_worker_runs(tmp_path, redis_server
     high = at_low + 1500
     again = _enqueue(config(high), redis_server.url)[0]
     assert not again["closed"] and again["queued"] == left
-    wait_until(lambda: ledger.closed_at("ds") == high, 60, 0.2, f"the dataset to close at {high}\n{workers.logs()}")
+    wait_until(lambda: ledger.closed_at("ds") == high, 90, 0.2, f"the dataset to close at {high}\n{workers.logs()}")
     wait_until(lambda: _settled(r, "ds"), 20, 0.1, "in-flight work to end")
     total = _tokens(store, "ds")
     assert high - 64 < total <= high + 64, (total, high)
