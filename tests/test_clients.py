@@ -18,6 +18,7 @@ from draftfleet.workers.backends import Halt, Permanent, Transient
 from draftfleet.workers.cloud import CloudChat
 from draftfleet.workers.sglang import SGLangClient
 from tests.conftest import run_cli, wait_until, write_config, write_jsonl
+from tests.test_security import _dump_redis
 
 KEY = "sk-or-v1-client-test-secret"
 USER = [Message(role="user", content="explain how a queue works")]
@@ -186,6 +187,9 @@ def test_gpu_worker_refused_by_sglang_pauses_and_resumes_once_the_key_works(tmp_
     assert time.monotonic() - t0 < 20 and not store.failures("ds")
     logs = workers.logs(tail=None)
     assert "STOPPED CONSUMING" in logs and "resuming after a pause" in logs and SGLANG_KEY not in logs
+    # nor in what the fleet keeps: records, Redis (queues, reports, events)
+    assert not any(SGLANG_KEY.encode() in f.read_bytes() for f in (tmp_path / "store").rglob("*") if f.is_file())
+    assert SGLANG_KEY.encode() not in _dump_redis(r)
 
 
 def test_sglang_client_waits_for_warm_up_and_for_a_slow_health_probe(emulator_factory, target_tokenizer) -> None:
