@@ -288,6 +288,9 @@ class Store:
             if _quarantine_id(e) not in seen:
                 seen.add(_quarantine_id(e))
                 new.append(_encoder.encode(e) + b"\n")
-        if new:
-            sep = b"\n" if old and not old.endswith(b"\n") else b""
-            os.replace(_write_temp(p.parent, old + sep + b"".join(new)), p)
+        if new:  # appended, so that two enqueues at once cannot lose each other's lines
+            p.parent.mkdir(parents=True, exist_ok=True)
+            with open(p, "ab") as fh:
+                fh.write((b"\n" if old and not old.endswith(b"\n") else b"") + b"".join(new))
+                fh.flush()
+                os.fsync(fh.fileno())
