@@ -15,13 +15,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import admission, enqueue, inventory, overhead, report, retokenize, saturation
+from . import admission, enqueue, inventory, overhead, report, retokenize, saturation, vllm
 from .env import REPO, Section, fresh_dir, machine
 
-NAMES = ("saturation", "overhead", "inventory", "retokenize", "enqueue", "admission")
+NAMES = ("saturation", "vllm", "overhead", "inventory", "retokenize", "enqueue", "admission")
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
+    "vllm": ("vllm_concurrency", "vllm_warmup", "vllm_window", "vllm_max_tokens", "vllm_prompts"),
     "overhead": ("overhead_tasks", "overhead_inflight"),
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
     "retokenize": ("retok_answers", "retok_mean", "retok_batch", "repeats"),
@@ -52,6 +53,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--single-stream-tps", type=float, default=90.0)
     g.add_argument("--ceiling-tps", type=float, default=5000.0)
     g.add_argument("--length", default="lognormal:200:0.6", help="emulator completion lengths")
+    g = p.add_argument_group("vllm", "a real vLLM (CPU build): needs DRAFTFLEET_VLLM_ENV, see README")
+    g.add_argument("--vllm-concurrency", type=_ints, default=[16, 64], help="requests in flight (comma-separated)")
+    g.add_argument("--vllm-warmup", type=float, default=5.0, help="seconds before the steady window")
+    g.add_argument("--vllm-window", type=float, default=15.0, help="seconds of the steady window")
+    g.add_argument("--vllm-max-tokens", type=int, default=128)
+    g.add_argument("--vllm-prompts", type=int, default=2000)
     g = p.add_argument_group("overhead")
     g.add_argument("--overhead-tasks", type=int, default=2000)
     g.add_argument("--overhead-inflight", type=_ints, default=[16, 128])
@@ -94,6 +101,9 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
     if name == "saturation":
         return saturation.run(folder, concurrency=args.concurrency, warmup=args.warmup, window=args.window,
                               single_stream_tps=args.single_stream_tps, ceiling_tps=args.ceiling_tps, length=args.length)
+    if name == "vllm":
+        return vllm.run(folder, concurrency=args.vllm_concurrency, warmup=args.vllm_warmup, window=args.vllm_window,
+                        max_tokens=args.vllm_max_tokens, prompts=args.vllm_prompts)
     if name == "overhead":
         return overhead.run(folder, tasks=args.overhead_tasks, inflight=args.overhead_inflight)
     if name == "inventory":

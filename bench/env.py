@@ -228,14 +228,15 @@ def write_prompts(path: Path, n: int, tag: str = "bench", words: int = 24) -> Pa
 
 
 def write_config(folder: Path, datasets: Iterable[dict], *, emulator_url: str = "http://127.0.0.1:9", inflight: int = 128,
-                 model: str = "bench/chatml-600") -> Path:
-    """A fleet.toml with the sample tokenizer, the given datasets and SGLang on the emulator."""
+                 model: str = "bench/chatml-600", engine: str = "sglang") -> Path:
+    """A fleet.toml with the sample tokenizer, the given datasets and the GPU ``engine`` at
+    ``emulator_url`` (SGLang on the emulator unless told otherwise)."""
     lines = ["[fleet]", f'store = "{folder / "store"}"', f'model = "{model}"', f'tokenizer = "{TOKENIZER}"', ""]
     for ds in datasets:
         lines.append("[[datasets]]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in ds.items()]
         lines.append("")
-    lines += ["[backends.sglang]", f'urls = ["{emulator_url}"]', f"inflight = {inflight}", "request_timeout_s = 600.0", ""]
+    lines += [f"[backends.{engine}]", f'urls = ["{emulator_url}"]', f"inflight = {inflight}", "request_timeout_s = 600.0", ""]
     path = folder / "fleet.toml"
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

@@ -17,6 +17,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -69,7 +70,12 @@ def _bodies(tok: TargetTokenizer, prompts: Path) -> list[bytes]:
     return out
 
 
-async def _direct(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> Run:
+def sglang_ids(body: dict) -> list[int]:
+    return body["output_ids"]
+
+
+async def _direct(url: str, bodies: list[bytes], concurrency: int, seconds: float, path: str,
+                  ids: Callable[[dict], list[int]]) -> Run:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     completions: list[tuple[float, int]] = []
     feed = iter(bodies)
@@ -78,9 +84,9 @@ async def _direct(url: str, bodies: list[bytes], concurrency: int, seconds: floa
 
         async def one() -> None:
             for body in feed:
-                resp = await client.post("/generate", content=body, headers={"content-type": "application/json"})
+                resp = await client.post(path, content=body, headers={"content-type": "application/json"})
                 resp.raise_for_status()
-                completions.append((time.monotonic() - start, len(msgspec.json.decode(resp.content)["output_ids"])))
+                completions.append((time.monotonic() - start, len(ids(msgspec.json.decode(resp.content)))))
 
         cpu0 = time.process_time()
         tasks = [asyncio.create_task(one()) for _ in range(concurrency)]
@@ -94,9 +100,11 @@ async def _direct(url: str, bodies: list[bytes], concurrency: int, seconds: floa
     return Run(label=f"direct C={concurrency}", completions=completions, first_s=min(c[0] for c in completions), cpu_s=cpu)
 
 
-def direct(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> Run:
-    """(a) A bare asyncio httpx client holding ``concurrency`` requests open for ``seconds``."""
-    return asyncio.run(_direct(url, bodies, concurrency, seconds))
+def direct(url: str, bodies: list[bytes], concurrency: int, seconds: float, path: str = "/generate",
+           ids: Callable[[dict], list[int]] = sglang_ids) -> Run:
+    """(a) A bare asyncio httpx client holding ``concurrency`` requests open for ``seconds``: it
+    posts ``bodies`` to ``path`` and counts the generated ids that ``ids`` finds in each answer."""
+    return asyncio.run(_direct(url, bodies, concurrency, seconds, path, ids))
 
 
 def _watch_first(store: Store, first: list[float], timeout: float = 60.0) -> None:
@@ -109,16 +117,18 @@ def _watch_first(store: Store, first: list[float], timeout: float = 60.0) -> Non
         time.sleep(0.002)
 
 
-def fleet(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path, inflight: int, seconds: float) -> Run:
-    """(b)/(c) Enqueue the prompts (worker already waiting), run for ``seconds``, read the store."""
+def fleet(folder: Path, redis: PrivateRedis, url: str, prompts: Path, inflight: int, seconds: float, *,
+          engine: str = "sglang", dataset: dict | None = None) -> Run:
+    """(b)/(c) Enqueue the prompts (worker already waiting), run for ``seconds``, read the store.
+    ``dataset`` overrides the dataset's settings (default: ``MAX_TOKENS``, the default temperature)."""
     fresh_dir(folder)
     redis.client().flushall()
-    config = write_config(folder, [{"name": DATASET, "path": str(prompts), "max_tokens": MAX_TOKENS}],
-                          emulator_url=emu.url, inflight=inflight)
+    settings = {"name": DATASET, "path": str(prompts), "max_tokens": MAX_TOKENS, **(dataset or {})}
+    config = write_config(folder, [settings], emulator_url=url, inflight=inflight, engine=engine)
     cfg = load_config(config)
     store = Store(cfg.fleet.store)
     app = make_app(redis.url, cfg.fleet.visibility_timeout_s)
-    with WorkerProcess(folder, config, redis.url, "--url", emu.url, "--inflight", str(inflight)) as worker:
+    with WorkerProcess(folder, config, redis.url, "--engine", engine, "--url", url, "--inflight", str(inflight)) as worker:
         worker.wait_ready()
         cpu0 = worker.cpu_seconds()
         first: list[float] = []
@@ -154,10 +164,10 @@ def run(work: Path, *, concurrency: list[int], warmup: float, window: float, sin
             emu.settle()
             runs[f"direct{c}"] = direct(emu.url, bodies, c, seconds)
             emu.settle()
-            runs[f"fleet{c}"] = fleet(work / f"fleet{c}", redis, emu, prompts, c, seconds)
+            runs[f"fleet{c}"] = fleet(work / f"fleet{c}", redis, emu.url, prompts, c, seconds)
         if trap:
             emu.settle()
-            runs["trap"] = fleet(work / "trap", redis, emu, prompts, 1, seconds)
+            runs["trap"] = fleet(work / "trap", redis, emu.url, prompts, 1, seconds)
 
     figures: list[Figure] = []
     rows = ["| run | steady tok/s | results in window | first result (s) | CPU ms per result |",
