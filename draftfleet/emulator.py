@@ -385,6 +385,17 @@ class _SamplingParams(msgspec.Struct):
     max_new_tokens: int = 128  # SGLang's default
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def check(self) -> None:
+        """SGLang's SamplingParams.verify, for the values the fleet sends (a ValueError: HTTP 400)."""
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
 
 
 class _ChatRequest(msgspec.Struct):
@@ -834,6 +845,10 @@ class _App:
             listed = ", ".join(f"`{k}`" for k in SGLANG_SAMPLING_KEYS)
             raise _HttpError(400, _encode({"error": f"unknown field `{unknown[0]}`, expected one of {listed}"}))
         params = msgspec.convert(req.sampling_params, _SamplingParams)
+        try:
+            params.check()
+        except ValueError as exc:
+            raise _HttpError(400, _sglang_error(str(exc))) from None
         if req.input_ids is not None:
             key = b"i" + _encode(req.input_ids)
             prompt_tokens = len(req.input_ids)

@@ -397,6 +397,9 @@ def test_unknown_sampling_keys_are_refused(client: httpx.Client) -> None:
     assert client.post("/generate", json={"input_ids": [1], "sampling_params": ok}).status_code == 200
     # unknown top-level keys are ignored, as SGLang's contract says
     assert client.post("/generate", json={"input_ids": [1], "whatever": 1}).status_code == 200
+    for bad in ({"top_p": 0.0}, {"temperature": -0.1}, {"max_new_tokens": -1}):  # SGLang's value checks
+        r = client.post("/generate", json={"input_ids": [1], "sampling_params": bad})
+        assert r.status_code == 400 and next(iter(bad)) in r.json()["error"]["message"]
 
 
 def test_context_length_is_enforced(client: httpx.Client, emulator: Emulator) -> None:
