@@ -290,7 +290,8 @@ class Store:
                 new.append(_encoder.encode(e) + b"\n")
         if new:  # appended, so that two enqueues at once cannot lose each other's lines
             p.parent.mkdir(parents=True, exist_ok=True)
-            with open(p, "ab") as fh:
+            fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "ab") as fh:
                 fh.write((b"\n" if old and not old.endswith(b"\n") else b"") + b"".join(new))
                 fh.flush()
                 os.fsync(fh.fileno())
