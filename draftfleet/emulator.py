@@ -196,7 +196,7 @@ class object method test data file line error loop index array map filter query 
 queue worker budget cloud server request response result record field key table step case type name
 path time memory cache speed order count size length input output example simple fast small large
 """.split())
-_FILLERS = (" the", " a", " and", " to", " of", " it", " is", " in")  # short words for the last few tokens
+_FILLERS = (" the", " a", " and", " to", " of", " it", " is", " in")  # when no word is one token
 _SENTENCE_ENDS = (".", ".", ".", ".", "?", ":")
 
 
@@ -218,6 +218,8 @@ class _Vocab:
         costs = self.tokenizer.encode_batch([" " + w for w in _LEXICON], add_special_tokens=False)
         self._cost = {w: len(e.ids) for w, e in zip(_LEXICON, costs, strict=True)}
         self._long = [w for w in _LEXICON if len(w) >= 4]
+        # Words of one token each, to top a completion up to its exact length.
+        self._fillers = [" " + w for w in _LEXICON if self._cost[w] == 1] or list(_FILLERS)
 
     def _special(self, token: str, file: Path) -> int:
         tid = self.tokenizer.token_to_id(token)
@@ -263,7 +265,7 @@ class _Vocab:
             while 0 < cut < len(ids) and words[cut] is not None and words[cut] == words[cut - 1]:
                 cut -= 1
             text = self.tokenizer.decode(ids[:cut], skip_special_tokens=False)
-            text += "".join(rng.choice(_FILLERS) for _ in range(n - cut))
+            text += "".join(rng.choice(self._fillers) for _ in range(n - cut))
             if not lead_space:
                 text = text.lstrip(" ")
             out = self._encode(text)
