@@ -236,8 +236,8 @@ class _Vocab:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def _prose(self, rng: random.Random, n: int, lead_space: bool) -> tuple[str, Any]:
-        """Sentences of at least ``n`` tokens, and their encoding."""
+    def _prose(self, rng: random.Random, n: int, lead_space: bool) -> Any:
+        """The encoding of sentences at least ``n`` tokens long."""
         text = ""
         while True:
             budget = 0
@@ -251,7 +251,7 @@ class _Vocab:
                 text += sentence
             encoding = self.tokenizer.encode(text if lead_space else text[1:], add_special_tokens=False)
             if len(encoding.ids) >= n:
-                return (text if lead_space else text[1:]), encoding
+                return encoding
 
     def natural(self, rng: random.Random, n: int, lead_space: bool = False) -> list[int]:
         """``n`` ids of natural text, the tokenizer's own encoding of it (ends on a whole word)."""
@@ -259,7 +259,7 @@ class _Vocab:
             return []
         ids: list[int] = []
         for _ in range(8):
-            _, encoding = self._prose(rng, n, lead_space)
+            encoding = self._prose(rng, n, lead_space)
             ids, words = encoding.ids, encoding.word_ids
             cut = n  # back off to a word boundary, then top up with short words
             while 0 < cut < len(ids) and words[cut] is not None and words[cut] == words[cut - 1]:
