@@ -711,7 +711,7 @@ class _App:
         splits = rng.random() < self.config.split_rate
         room = n_reasoning + n_answer if cap is None else max(cap, 0)
         vocab = self._vocab
-        reasoning_ids = vocab.natural(rng, min(n_reasoning, room))
+        reasoning_ids = vocab.natural(rng, n_reasoning)[:room]
         room -= len(reasoning_ids)
         answer = self._answer(rng, n_answer - 1, splits) + [vocab.eot]
         if not stops:

@@ -155,6 +155,10 @@ def test_chat_reasoning(client: httpx.Client, emulator: Emulator) -> None:
     assert message["reasoning"] and message["content"]
     assert body["usage"]["completion_tokens"] == 50
     assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 30
+    # a lower cap cuts the same reasoning short
+    capped = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 12}, headers=AUTH).json()
+    assert message["reasoning"].startswith(capped["choices"][0]["message"]["reasoning"])
+    assert capped["choices"][0]["finish_reason"] == "length" and capped["usage"]["completion_tokens"] == 12
 
 
 def test_chat_requires_the_key(client: httpx.Client, emulator: Emulator) -> None:
