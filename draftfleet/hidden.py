@@ -180,12 +180,15 @@ def _read_tensor(path: Path, info: dict, offset: int) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(info["shape"])
 
 
-def read_safetensors(path: str | Path) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
-    """``{name: (dtype, array)}`` and the metadata; BF16 arrays come as uint16 bit patterns."""
+def read_safetensors(path: str | Path, names: tuple[str, ...] | None = None
+                     ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
+    """``{name: (dtype, array)}`` (only ``names`` when given) and the metadata; BF16 arrays come as
+    uint16 bit patterns."""
     path = Path(path)
     header, offset = _header(path)
     meta = header.pop("__metadata__", None) or {}
-    return {name: (info["dtype"], _read_tensor(path, info, offset)) for name, info in header.items()}, meta
+    return {name: (info["dtype"], _read_tensor(path, info, offset)) for name, info in header.items()
+            if names is None or name in names}, meta
 
 
 def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str]) -> bytes:

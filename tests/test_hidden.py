@@ -140,3 +140,25 @@ def test_speculators_layout_links_the_files_and_aligns_the_rows(tmp_path):
     assert table.column("input_ids").to_pylist() == [f[1] for f in files] and table.column("seq_len").to_pylist() == [2, 3, 4]
     assert table.column("loss_mask").to_pylist() == [f[2] for f in files]
     assert json.loads((out / "state.json").read_text())["_format_type"] == "torch"
+
+
+def test_units_are_every_turn_with_its_stored_prompt_ids(target_tokenizer):
+    from draftfleet.conversation import record_turns
+    from draftfleet.hidden import record_units
+    from draftfleet.schemas.records import Message, Turn, Usage
+
+    def turn(prompt, output):
+        return Turn(prompt_ids=prompt, output_ids=output, text="t", finish_reason="stop", truncated=False,
+                    prompt_tokens=len(prompt), completion_tokens=len(output), backend="vllm", backend_kind="gpu",
+                    model="m", token_source="exact", usage=Usage(), cost_usd=0.0, cost_source="none", latency_s=0.1,
+                    attempts=1, worker="w", created_at=0.0)
+
+    convo = _record("cd" * 32, turns=[turn([5, 6, 7], [8, 9]), turn([5, 6, 7, 8, 9, 10], [11, 12, 13])])
+    assert record_units(convo, target_tokenizer) == [([5, 6, 7, 8, 9], 3), ([5, 6, 7, 8, 9, 10, 11, 12, 13], 6)]
+    # a single-turn record: the template's render of its messages, as the GPU worker sent it
+    messages = [Message(role="user", content="write a function")]
+    prompt = target_tokenizer.prompt_ids(messages)
+    single = _record("ef" * 32, messages=messages, prompt_tokens=len(prompt), output_ids=[3, 4])
+    assert len(record_turns(single)) == 1 and record_units(single, target_tokenizer) == [(prompt + [3, 4], len(prompt))]
+    with pytest.raises(CaptureError, match="another tokenizer or chat template"):
+        record_units(msgspec.structs.replace(single, prompt_tokens=len(prompt) + 1), target_tokenizer)

@@ -124,20 +124,25 @@ def _read_engine_file(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Wait for the connector to finish the file (it holds ``<path>.lock`` while writing), read it."""
     deadline = time.monotonic() + FILE_WAIT_S
     while True:
+        released = False
         try:
             with open(path + ".lock") as lock:
                 while True:
                     try:
                         fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        released = True
                         break
                     except BlockingIOError:
                         if time.monotonic() > deadline:
                             raise Transient("hidden_states_timeout", f"{path} still being written after {FILE_WAIT_S:.0f}s") from None
                         time.sleep(0.02)
         except FileNotFoundError:
-            pass  # no lock file: the engine writes without one; the file appears whole (renamed)
+            pass  # no lock file (yet): the file appears whole or not at all (renamed into place)
         if os.path.exists(path):
             break
+        if released:
+            raise Transient("hidden_states_missing", f"the engine released {path}.lock without writing the file "
+                            "(its log says why: a full disk, a write error)")
         if time.monotonic() > deadline:
             raise Halt("hidden_states_unreachable", f"the engine's file {path} does not appear here: the worker must "
                        "see the engine's storage_path at the same path (same host or a shared file system)")
@@ -238,7 +243,11 @@ def execute(task_self, payload: object) -> str:
     except (FileNotFoundError, msgspec.DecodeError) as exc:
         dead_letter(rt.r, queue=queue, reason=f"no readable record {task.key}: {exc}", body=payload, worker=rt.hostname)
         return "dead_letter"
-    units = record_units(record, rt.tokenizer)
+    try:
+        units = record_units(record, rt.tokenizer)
+    except CaptureError as exc:
+        dead_letter(rt.r, queue=queue, reason=str(exc), body=payload, worker=rt.hostname)
+        return "dead_letter"
     if not 0 <= task.turn < len(units):
         dead_letter(rt.r, queue=queue, reason=f"record {task.key} has no turn {task.turn}", body=payload,
                     worker=rt.hostname)
@@ -332,7 +341,12 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
     try:
         if gpus is not None:
             launch = cfg.vllm.launch
-            server = capture_server(launch, gpus, port_for(launch, gpus), layer_ids, storage_path(cfg))
+            # A folder per launched server: what a killed predecessor's engine wrote there and nobody
+            # took is swept now (the store never holds it; the unit is captured again).
+            storage = Path(storage_path(cfg)) / label
+            for left in storage.glob("*.safetensors*"):
+                left.unlink(missing_ok=True)
+            server = capture_server(launch, gpus, port_for(launch, gpus), layer_ids, str(storage))
             server.start(wait=True)
             server.supervise()
             url = server.url

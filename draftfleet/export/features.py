@@ -51,7 +51,7 @@ def _rows(store: Store, dataset: str, version: int) -> tuple[list[tuple[str, lis
             if not path.exists():
                 missing += 1
                 continue
-            tensors, meta = read_safetensors(path)
+            tensors, meta = read_safetensors(path, ("token_ids",))  # the ids; the states stay on disk
             ids = tensors["token_ids"][1].tolist()
             prompt_len = int(meta["prompt_len"])
             rid = f"{rec.key}_gen{turn}" if rec.turns else rec.key
