@@ -101,8 +101,12 @@ class EmulatorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     seed: int = 0
     # Completion length in tokens, end-of-turn included: fixed:N | uniform:LO:HI | lognormal:MEAN:SIGMA.
     length: str = "lognormal:200:0.6"
-    reasoning_rate: float = 0.0  # share of chat completions that also carry message.reasoning
+    reasoning_rate: float = 0.0  # share of completions that reason first (chat: message.reasoning)
     reasoning_length: str = "lognormal:120:0.5"
+    # /generate of a thinking model: what it writes before and after its reasoning, in one sequence
+    # with the answer (Qwen3: ["<think>\n", "\n</think>\n\n"]; Kimi-K2.5, whose generation prompt
+    # already opened the block: ["", "</think>"]). None: /generate never reasons.
+    think: tuple[str, str] | None = None
     # Share of completions in which the model writes one word split into tokens its tokenizer would
     # not choose, as sampled models do: their ids do not survive decode -> encode (the seed: 0.5-6.5%).
     split_rate: float = 0.03
@@ -272,6 +276,16 @@ class _Vocab:
             if len(out) == n:
                 return out
         return ids[:n]
+
+    def thinking(self, markers: tuple[str, str], reasoning: list[int], answer: list[int], canonical: bool) -> list[int]:
+        """A thinking model's output: ``open reasoning close answer`` as one text, the tokenizer's own
+        encoding of it (markers that are special tokens become their ids). An answer holding an
+        unnatural split (not ``canonical``) keeps its ids after the encoded think block."""
+        raw = self.tokenizer.decode
+        text = markers[0] + raw(reasoning, skip_special_tokens=False) + markers[1]
+        if canonical:
+            return self._encode(text + raw(answer, skip_special_tokens=False))
+        return self._encode(text) + answer
 
     def split(self, rng: random.Random) -> list[int] | None:
         """A word written in two pieces the tokenizer would merge differently (not its own encoding)."""
@@ -695,13 +709,15 @@ class _App:
 
     # --- generation ----------------------------------------------------------------------
 
-    def _draw(self, key: bytes, cap: int | None, reasoning: bool,
-              stops: bool = True) -> tuple[list[int], list[int], bool]:
+    def _draw(self, key: bytes, cap: int | None, reasoning: bool, stops: bool = True,
+              think: tuple[str, str] | None = None) -> tuple[list[int], list[int], bool]:
         """The deterministic completion of a prompt: reasoning ids, answer ids, whether it stopped.
 
         All lengths are drawn before any id, so a lower cap yields a prefix of the same ids. The
         answer ends with the end-of-turn id when it stopped; a capped one does not. When the
         end-of-turn id is not a stop token (``stops`` False), the model writes on past it to the cap.
+        With ``think`` markers the reasoning is written inside the answer's sequence, as an engine
+        returns a thinking model's output.
         """
         digest = hashlib.blake2b(b"%d\0" % self.config.seed + key, digest_size=8).digest()
         rng = random.Random(int.from_bytes(digest))
@@ -709,14 +725,19 @@ class _App:
         thinks = reasoning and rng.random() < self.config.reasoning_rate
         n_reasoning = self._reasoning_length(rng) if thinks else 0
         splits = rng.random() < self.config.split_rate
-        room = n_reasoning + n_answer if cap is None else max(cap, 0)
         vocab = self._vocab
-        reasoning_ids = vocab.natural(rng, n_reasoning)[:room]
+        reasoning_ids = vocab.natural(rng, n_reasoning)
+        body = self._answer(rng, n_answer - 1, splits)
+        if think is not None and reasoning_ids:  # one sequence: markers, reasoning, answer
+            body = vocab.thinking(think, reasoning_ids, body, canonical=not splits)
+            reasoning_ids = []
+        room = len(reasoning_ids) + len(body) + 1 if cap is None else max(cap, 0)
+        reasoning_ids = reasoning_ids[:room]
         room -= len(reasoning_ids)
-        answer = self._answer(rng, n_answer - 1, splits) + [vocab.eot]
+        answer = body + [vocab.eot]
         if not stops:
             answer += vocab.natural(rng, room - len(answer))
-        stopped = stops and n_answer <= room
+        stopped = stops and len(body) + 1 <= room
         return reasoning_ids, answer[:room], stopped
 
     def _answer(self, rng: random.Random, n: int, splits: bool) -> list[int]:
@@ -881,7 +902,9 @@ class _App:
         if not params.ignore_eos:
             stop_ids.add(self._vocab.eos)
         # The model ends its turn with end_of_turn; only a stop token ends the generation there.
-        _, ids, stopped = self._draw(key, max_new, reasoning=False, stops=self._vocab.eot in stop_ids)
+        think = self.config.think
+        _, ids, stopped = self._draw(key, max_new, reasoning=think is not None, stops=self._vocab.eot in stop_ids,
+                                     think=think)
         await self._occupy(len(ids))
         self._account(prompt_tokens, len(ids))
         if stopped:

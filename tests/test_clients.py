@@ -224,3 +224,19 @@ def test_sglang_max_tokens_over_the_context_halts_a_long_prompt_fails(emulator_f
         assert client.generate(task(max_tokens=64)).output_ids
     finally:
         client.close()
+
+
+def test_thinking_gpu_answer_splits_and_rebuilds_as_the_cloud_path(emulator_factory, target_tokenizer) -> None:
+    """SGLang returns a thinking model's think block and answer as one sequence: the client splits
+    it as the cloud APIs do, and the cloud path's ids for that (answer, reasoning) are the same ids."""
+    emu = emulator_factory(time_scale=0, think=("<think>\n", "\n</think>\n\n"), reasoning_rate=1.0, split_rate=0.0,
+                           length="uniform:5:40", reasoning_length="uniform:5:40")
+    client = SGLangClient(emu.url, SGLangBackend(), target_tokenizer, inflight=2)
+    try:
+        for i in range(10):
+            t = task(max_tokens=200, text=f"question {i}")
+            gen = client.generate(t)
+            assert gen.reasoning and gen.text and "<think>" not in gen.text + gen.reasoning
+            assert target_tokenizer.completion_ids(t.messages, gen.text, gen.reasoning, stopped=True) == gen.output_ids
+    finally:
+        client.close()

@@ -450,3 +450,20 @@ def test_health_while_loading_and_slow_probes(client: httpx.Client, emulator: Em
     assert time.monotonic() - t0 >= 0.3
     with pytest.raises(httpx.ReadTimeout):
         client.get("/health", timeout=0.1)
+
+
+def test_generate_as_a_thinking_model(client: httpx.Client, emulator: Emulator, tokenizer: Tokenizer) -> None:
+    """A thinking model's /generate output is one sequence: its think block, then the answer."""
+    emulator.update(think=("<think>\n", "\n</think>\n\n"), reasoning_rate=1.0, split_rate=0.0,
+                    reasoning_length="fixed:30", length="fixed:20")
+    think, close = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    out = generate(client, input_ids=[9, 9])
+    ids = out["output_ids"]
+    assert ids[0] == think and ids.count(close) == 1 and ids[-1] == 2
+    raw = tokenizer.decode(ids[:-1], skip_special_tokens=False)
+    reasoning, _, answer = raw.removeprefix("<think>\n").partition("\n</think>\n\n")
+    assert len(reasoning.split()) > 5 and len(answer.split()) > 3
+    assert out["text"] == tokenizer.decode(ids[:-1], skip_special_tokens=True)  # special markers dropped
+    assert tokenizer.encode(raw, add_special_tokens=False).ids == ids[:-1]  # the tokenizer's own encoding
+    capped = generate(client, input_ids=[9, 9], max_new_tokens=10)
+    assert capped["output_ids"] == ids[:10] and capped["meta_info"]["finish_reason"]["type"] == "length"
