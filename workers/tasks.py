@@ -563,7 +563,9 @@ def register(app: Celery) -> None:
         if _runtime is not None:
             _runtime.attach(sender)
 
-    @app.task(name=rk.TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+    # shared=False: registered on this app only (Celery would add it to every app made later).
+    @app.task(name=rk.TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+              shared=False)
     def generate(self, *args, **kwargs):
         rt = runtime()
         try:
