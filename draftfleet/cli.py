@@ -757,7 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that run once and end: a private Redis they had to start is stopped on the way out.
-ONE_SHOT = ("inventory", "export", "import", "reconcile", "status", "failures", "drain", "pivot", "capture")
+ONE_SHOT = ("inventory", "export", "import", "reconcile", "status", "failures", "drain", "pivot")
 
 
 def main(argv: list[str] | None = None) -> int:
