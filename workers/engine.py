@@ -21,8 +21,9 @@ import msgspec
 from draftfleet.broker import redact
 from draftfleet.http import make_client
 from draftfleet.schemas.config import ConfigError, Engine, EngineBackend
+from draftfleet.schemas.records import PromptTask, Usage
 from draftfleet.tokenizer import TargetTokenizer
-from draftfleet.workers.backends import Halt, Permanent, Transient, parse_retry_after
+from draftfleet.workers.backends import Generation, Halt, Permanent, Transient, parse_retry_after
 
 _decode = msgspec.json.decode
 
@@ -148,6 +149,26 @@ class EngineClient:
             return self.client.get(self.auth_probe_path, timeout=self.health_timeout_s).status_code not in (401, 403)
         except httpx.HTTPError:
             return False
+
+    def exact(self, task: PromptTask, prompt_ids: list[int], ids: list[int], finish: str, *, prompt_tokens: int,
+              completion_tokens: int, cached_tokens: int) -> Generation:  # fmt: skip
+        """One answer as the engine gave it: its ids stored as they are (``exact``), the text decoded
+        from them and split at the template's reasoning markers."""
+        text, reasoning = self.tokenizer.split_reasoning(task.messages, ids)
+        return Generation(
+            text=text,
+            reasoning=reasoning,
+            output_ids=ids,
+            prompt_ids=prompt_ids,
+            prompt_tokens=prompt_tokens,
+            finish_reason=finish,
+            truncated=finish == "length",
+            token_source="exact",
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens),
+            cost_usd=0.0,
+            cost_source="none",
+            model=self.model or task.settings.model,
+        )
 
     def get_json(self, path: str) -> object:
         """GET ``path`` and decode it; None on any failure (for informational endpoints)."""

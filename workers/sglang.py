@@ -14,7 +14,7 @@ import re
 
 import httpx
 
-from draftfleet.schemas.records import PromptTask, Usage
+from draftfleet.schemas.records import PromptTask
 from draftfleet.workers.backends import Generation, Halt, Permanent, Transient
 from draftfleet.workers.engine import EngineClient, error_message
 
@@ -78,23 +78,6 @@ class SGLangClient(EngineClient):
                 ids.append(matched)
         elif ftype != "length":
             raise Transient("finish_" + str(ftype), "unexpected finish_reason")
-        prompt_tokens = int(meta.get("prompt_tokens") or len(input_ids))
-        text, reasoning = self.tokenizer.split_reasoning(task.messages, ids)
-        return Generation(
-            text=text,
-            reasoning=reasoning,
-            output_ids=ids,
-            prompt_ids=input_ids,
-            prompt_tokens=prompt_tokens,
-            finish_reason=ftype,
-            truncated=ftype == "length",
-            token_source="exact",
-            usage=Usage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=int(meta.get("completion_tokens") or len(ids)),
-                cached_tokens=int(meta.get("cached_tokens") or 0),
-            ),
-            cost_usd=0.0,
-            cost_source="none",
-            model=self.model or s.model,
-        )
+        return self.exact(task, input_ids, ids, ftype, prompt_tokens=int(meta.get("prompt_tokens") or len(input_ids)),
+                          completion_tokens=int(meta.get("completion_tokens") or len(ids)),
+                          cached_tokens=int(meta.get("cached_tokens") or 0))

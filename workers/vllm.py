@@ -13,7 +13,7 @@ from __future__ import annotations
 import httpx
 import msgspec
 
-from draftfleet.schemas.records import PromptTask, Usage
+from draftfleet.schemas.records import PromptTask
 from draftfleet.workers.backends import Generation, Halt, Transient
 from draftfleet.workers.engine import EngineClient, error_message
 
@@ -77,26 +77,10 @@ class VLLMClient(EngineClient):
             raise Transient(f"finish_{finish}", str(choice.get("stop_reason") or "unexpected finish_reason")[:200])
         ids = [int(i) for i in ids]
         usage = out.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        text, reasoning = self.tokenizer.split_reasoning(task.messages, ids)
-        return Generation(
-            text=text,
-            reasoning=reasoning,
-            output_ids=ids,
-            prompt_ids=input_ids,
-            prompt_tokens=len(input_ids),
-            finish_reason=finish,
-            truncated=finish == "length",
-            token_source="exact",
-            usage=Usage(
-                prompt_tokens=int(usage.get("prompt_tokens") or len(input_ids)),
-                completion_tokens=int(usage.get("completion_tokens") or len(ids)),
-                cached_tokens=int(details.get("cached_tokens") or 0),
-            ),
-            cost_usd=0.0,
-            cost_source="none",
-            model=self.model or s.model,
-        )
+        details = usage.get("prompt_tokens_details") or {}  # None unless --enable-prompt-tokens-details
+        return self.exact(task, input_ids, ids, finish, prompt_tokens=len(input_ids),
+                          completion_tokens=int(usage.get("completion_tokens") or len(ids)),
+                          cached_tokens=int(details.get("cached_tokens") or 0))
 
 
 def _error_param(resp: httpx.Response) -> str | None:
