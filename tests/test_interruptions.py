@@ -75,3 +75,51 @@ def test_flushall_then_enqueue_resends_nothing_running_workers_hold(tmp_path, re
     res = run_cli("reconcile", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
     assert res.returncode == 0, res.stderr
     assert_exactly_once(store, r, "ds", 64)
+
+
+def test_one_ctrl_c_on_a_multi_gpu_worker_is_one_warm_shutdown_of_each_child(tmp_path, redis_server, tokenizer_dir):
+    """A terminal's Ctrl-C reaches its whole foreground job: ``worker gpu --gpu 0,1`` passes it on
+    to its children, which must not get it twice (a second SIGINT is Celery's cold shutdown)."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+    from .test_gpu_launch import FAKE_LAUNCH, _config, _free_pair
+    from .test_launcher import fake_engines
+
+    site = fake_engines(tmp_path, FAKE_LAUNCH)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    base = _free_pair()
+    config = _config(tmp_path, tokenizer_dir, 4, f"""
+        [backends.sglang]
+        inflight = 4
+
+        [backends.sglang.launch]
+        model_path = "fake/model"
+        tp = 1
+        port_base = {base}
+        startup_timeout_s = 60.0
+    """)
+    env = {"REDIS_URL": redis_server.url, "PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{REPO}",
+           "FAKE_SGLANG_DIR": str(marks), "FAKE_TOKENIZER": str(tokenizer_dir)}
+    log_path = tmp_path / "workers.log"
+    with open(log_path, "wb") as log:
+        # its own process group, as a shell runs a job: the test can signal the whole job at once
+        parent = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", str(config),
+                                   "--gpu", "0,1"], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                  start_new_session=True)
+    try:
+        r = redis_server.client()
+        logs = lambda: log_path.read_text(errors="replace")  # noqa: E731
+        wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 2 and logs().count(" ready.") == 2,
+                   90, 0.2, f"two workers\n{logs()[-3000:]}")
+        os.killpg(parent.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        assert parent.wait(60) == 0, logs()[-3000:]
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+    text = logs()
+    assert text.count("Warm shutdown (MainProcess)") == 2, text[-3000:]
+    assert "Cold shutdown" not in text, text[-3000:]

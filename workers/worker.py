@@ -241,7 +241,9 @@ def run_gpu_workers(config_path: str, groups: list[list[int]], argv_tail: list[s
     for g in groups:
         cmd = [sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", config_path,
                "--gpu", ",".join(map(str, g)), *argv_tail]
-        procs.append(subprocess.Popen(cmd))
+        # Its own process group: a terminal's Ctrl-C reaches only this process, which passes it on
+        # once (a child that got it from both would take the second for Celery's cold shutdown).
+        procs.append(subprocess.Popen(cmd, process_group=0))
         log.info("started the worker for GPU(s) %s (pid %d)", ",".join(map(str, g)), procs[-1].pid)
 
     def forward(signum, _frame):
