@@ -37,5 +37,11 @@ site=$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pure
 mkdir -p "$site/vllm-$VLLM_VERSION.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_VERSION" > "$site/vllm-$VLLM_VERSION.dist-info/METADATA"
 VLLM_TARGET_DEVICE=cpu "$dir/bin/vllm" --version >&2  # imports vllm through the console script: both fixes hold
+# tests/engines/test_capture.py reads the fleet's hidden-state exports with the trainers' own loaders:
+# speculators (ArrowDataset) and SpecForge (load_feature_file). Both pin torch/transformers/sglang
+# versions that clash with vLLM's, so they come without their pins, plus only what their readers import.
+"$dir/bin/python" -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "specforge==0.2.0" >&2
+"$dir/bin/python" -m pip install --quiet "datasets>=4.0,<=5.1.0" >&2
+"$dir/bin/python" -c 'import speculators.train.data, specforge.runtime.data_plane.feature_store, specforge.algorithms.eagle3.data' >&2
 touch "$dir/.complete"
 echo "$dir"
