@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,6 +49,7 @@ CONNECTOR_CLASS = "DraftfleetHiddenStatesConnector"
 CONNECTOR_MODULE = "draftfleet.workers.vllm_connector"
 FILE_WAIT_S = 120.0  # the connector writes the file after the answer: how long to wait for it
 INFRA_RETRY_S = 5.0
+REPORT_S = 5.0
 
 
 def engine_args(layer_ids: list[int], storage_path: str) -> list[str]:
@@ -180,6 +182,42 @@ class CaptureRuntime:
         self.layer_ids = layer_ids
         self.model_sha = model_sha
         self._manifests: dict[tuple[str, int], CaptureManifest] = {}
+        self._lock = threading.Lock()
+        self.inflight: dict[str, int] = {}
+        self._stop = threading.Event()
+
+    def running(self, dataset: str, delta: int) -> None:
+        with self._lock:
+            self.inflight[dataset] = self.inflight.get(dataset, 0) + delta
+
+    def start_reports(self, datasets: list[str], slots: int, every_s: float = REPORT_S) -> None:
+        """Publish this worker's report (``draftfleet status`` lists it) until :meth:`stop`; it has a
+        TTL, so a killed worker drops out of the list."""
+
+        def publish() -> None:
+            with self._lock:
+                inflight = {d: n for d, n in self.inflight.items() if n}
+            report = {"hostname": self.hostname, "kind": "capture", "backend": "vllm", "endpoint": self.client.endpoint,
+                      "datasets": sorted(datasets), "queues": [rk.capture_queue(d) for d in sorted(datasets)],
+                      "inflight": inflight, "slots": slots, "paused": None, "pid": os.getpid(), "at": time.time()}
+            try:
+                self.r.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * every_s))
+            except redis.RedisError as exc:
+                log.warning("cannot publish the worker report: %s", exc)
+
+        def loop() -> None:
+            publish()
+            while not self._stop.wait(every_s):
+                publish()
+
+        threading.Thread(target=loop, name="draftfleet-capture-report", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.r.delete(rk.worker_report(self.hostname))
+        except redis.RedisError:
+            pass
 
     def manifest(self, dataset: str, version: int) -> CaptureManifest | None:
         k = (dataset, version)
@@ -253,6 +291,16 @@ def execute(task_self, payload: object) -> str:
                     worker=rt.hostname)
         return "dead_letter"
     ids, prompt_len = units[task.turn]
+    rt.running(task.dataset, 1)
+    try:
+        return _capture(rt, task, m, ids, prompt_len, record.source)
+    finally:
+        rt.running(task.dataset, -1)
+
+
+def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: list[int], prompt_len: int,
+             source: str) -> str:
+    """Capture one unit with retries and store it; what happened (``stored``, ``duplicate``, ``failed``)."""
     got_ids = states = None
     failure: Exception | None = None
     for attempt in range(1, rt.cfg.fleet.max_attempts + 1):
@@ -286,7 +334,7 @@ def execute(task_self, payload: object) -> str:
     if not rt.hidden.put(task.dataset, task.version, task.key, task.turn, data):
         return "duplicate"
     _event(rt, task.dataset, "captured")
-    log.info("captured %s %s turn %d: %d tokens", task.dataset, record.source, task.turn, len(ids))
+    log.info("captured %s %s turn %d: %d tokens", task.dataset, source, task.turn, len(ids))
     return "stored"
 
 
@@ -318,7 +366,7 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
     from draftfleet.schemas.config import ConfigError
     from draftfleet.workers.app import make_app
     from draftfleet.workers.launcher import port_for
-    from draftfleet.workers.worker import refuse_duplicate_name, setup_logging, worker_datasets
+    from draftfleet.workers.worker import announce_waiting, refuse_duplicate_name, setup_logging, worker_datasets
 
     setup_logging(loglevel)
     if cfg.vllm is None:
@@ -337,7 +385,9 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
     tokenizer = TargetTokenizer.from_config(cfg.fleet)
     store = Store(cfg.fleet.store)
     store.prepare()
-    server = client = None
+    server = client = rt = None
+    stop_waiting = announce_waiting(r, hostname, "capture", "vllm", redact(url) if url else f"GPU {gpus}", names,
+                                    f"vLLM at {redact(url)}" if url else f"vLLM to start on GPU(s) {gpus}")
     try:
         if gpus is not None:
             launch = cfg.vllm.launch
@@ -358,12 +408,18 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
         app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"
         app.conf.broker_transport = "draftfleet.workers.consumer:Transport"
         register(app)
-        install(CaptureRuntime(cfg, store, r, client, tokenizer, hostname, layer_ids, model.config_sha256))
+        rt = CaptureRuntime(cfg, store, r, client, tokenizer, hostname, layer_ids, model.config_sha256)
+        install(rt)
+        stop_waiting()
+        rt.start_reports(names, n)
         queues = [rk.capture_queue(d) for d in names]
         log.info("capture worker %s: layers %s, %d in flight, queues %s", hostname, layer_ids, n, ",".join(queues))
         app.worker_main(["worker", "-P", "threads", "-c", str(n), "-Q", ",".join(queues), "-n", hostname,
                          "-l", loglevel.upper(), "-E", "--without-gossip", "--without-mingle"])
     finally:
+        stop_waiting()
+        if rt is not None:
+            rt.stop()
         if client is not None:
             client.close()
         if server is not None:

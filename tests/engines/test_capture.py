@@ -150,8 +150,9 @@ def test_captured_states_match_transformers_and_both_trainers_read_the_exports(
 
     st = run_cli("status", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
     assert st.returncode == 0, st.stderr
-    assert json.loads(st.stdout)["capture"] == [{"dataset": "hs", "version": 1, "units": 12, "captured": 12,
-                                                 "queued": 0, "failed": 0}]
+    snap = json.loads(st.stdout)
+    assert snap["capture"] == [{"dataset": "hs", "version": 1, "units": 12, "captured": 12, "queued": 0, "failed": 0}]
+    assert [(w["kind"], w["backend"], w["waiting"]) for w in snap["workers"]] == [("capture", "vllm", None)]
 
     # the two exports, read by the trainers' own loaders
     out = tmp_path / "features"
