@@ -118,33 +118,52 @@ def server(engine: Engine, model: Path, port: int, log_path: Path, startup_timeo
     return EngineServer(engine.launch(model, startup_timeout_s), [0], port=port, log_path=log_path, env=engine.env)
 
 
+def metrics(url: str, *names: str, client: httpx.Client | None = None) -> dict[str, float]:
+    """Prometheus series of the engine's ``/metrics`` (gauges, counters), each summed over its labels.
+    Pass a ``client`` when polling: a new one per call costs ~20 ms of CPU (its TLS context)."""
+    text = (client or httpx).get(url + "/metrics", timeout=5.0).text
+    out = {}
+    for name in names:
+        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)$", text, re.M)
+        if not values:
+            raise AssertionError(f"{url}/metrics has no {name}")
+        out[name] = sum(float(v) for v in values)
+    return out
+
+
 def gauge(url: str, name: str) -> float:
-    """The sum over label sets of one Prometheus gauge from the engine's ``/metrics``."""
-    text = httpx.get(url + "/metrics", timeout=5.0).text
-    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)$", text, re.M)
-    if not values:
-        raise AssertionError(f"{url}/metrics has no {name}")
-    return sum(float(v) for v in values)
+    return metrics(url, name)[name]
 
 
-class GaugeSampler(threading.Thread):
-    """Samples one gauge of the engine every ``interval`` seconds while a run goes on (``with``)."""
+class MetricsSampler(threading.Thread):
+    """Samples some of the engine's metrics every ``interval`` seconds while a run goes on (``with``)."""
 
-    def __init__(self, url: str, name: str, interval: float = 0.1):
+    def __init__(self, url: str, *names: str, interval: float = 0.1):
         super().__init__(daemon=True)
-        self.url, self.name, self.interval = url, name, interval
-        self.samples: list[tuple[float, float]] = []  # (time.monotonic(), value)
+        self.url, self.names, self.interval = url, names, interval
+        self.samples: list[tuple[float, dict[str, float]]] = []  # (time.monotonic(), values)
         self._done = threading.Event()
 
     def run(self) -> None:
-        while not self._done.wait(self.interval):
-            self.samples.append((time.monotonic(), gauge(self.url, self.name)))
+        with httpx.Client() as client:
+            while not self._done.wait(self.interval):
+                self.samples.append((time.monotonic(), metrics(self.url, *self.names, client=client)))
 
-    def mean(self, start: float, end: float) -> float:
-        inside = [v for t, v in self.samples if start <= t <= end]
+    def series(self, name: str, start: float = 0.0, end: float = float("inf")) -> list[tuple[float, float]]:
+        return [(t, v[name]) for t, v in self.samples if start <= t <= end]
+
+    def mean(self, name: str, start: float, end: float) -> float:
+        inside = [v for _, v in self.series(name, start, end)]
         return sum(inside) / len(inside) if inside else 0.0
 
-    def __enter__(self) -> GaugeSampler:
+    def rate(self, name: str, start: float, end: float) -> float:
+        """A counter's increase per second between the first and last samples in [start, end]."""
+        inside = self.series(name, start, end)
+        if len(inside) < 2 or inside[-1][0] == inside[0][0]:
+            return 0.0
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+    def __enter__(self) -> MetricsSampler:
         self.start()
         return self
 

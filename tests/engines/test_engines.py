@@ -21,7 +21,7 @@ from draftfleet.store import Store
 from ..conftest import run_cli, wait_until, write_config, write_jsonl
 from ..test_faults import CLAIM_ENV, _report, _workers_up, assert_exactly_once
 from ..test_fleet import _chat_rows, _enqueue
-from .real import GaugeSampler
+from .real import MetricsSampler
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # an engine restart takes 20-90 s
 
@@ -53,11 +53,12 @@ def test_fleet_stores_the_engines_own_ids(live, proxy, tmp_path, redis_server, t
     ])
     workers.start(config, "gpu", "--engine", live.name, "--url", proxy.url, "--name", "gpu", redis_url=redis_server.url)
     wait_until(lambda: _workers_up(r, 1), 90, 0.1, f"the worker\n{workers.logs()}")
-    with GaugeSampler(live.url, live.engine.running_gauge, 0.05) as running:
+    with MetricsSampler(live.url, live.engine.running_gauge, interval=0.05) as sampler:
         _enqueue(config, redis_server.url)
         wait_until(lambda: len(store.keys("a")) + len(store.keys("b")) == 48 and store.failures("long"), 180, 0.2,
                    f"48 results and a failure\n{workers.logs()}")
-    assert max(v for _, v in running.samples) > 1, "the engine never ran two of the worker's requests at once"
+    peak = max(v for _, v in sampler.series(live.engine.running_gauge))
+    assert peak > 1, "the engine never ran two of the worker's requests at once"
 
     # the prompt longer than the engine's context fails once, with the engine's own words
     [failure] = store.failures("long")
