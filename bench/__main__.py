@@ -22,7 +22,7 @@ NAMES = ("saturation", "vllm", "overhead", "inventory", "retokenize", "enqueue",
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
-    "vllm": ("vllm_concurrency", "vllm_warmup", "vllm_window", "vllm_max_tokens", "vllm_prompts"),
+    "vllm": ("vllm_concurrency", "vllm_warmup", "vllm_window", "vllm_max_tokens", "vllm_prompts", "vllm_repeats"),
     "overhead": ("overhead_tasks", "overhead_inflight"),
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
     "retokenize": ("retok_answers", "retok_mean", "retok_batch", "repeats"),
@@ -59,6 +59,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--vllm-window", type=float, default=15.0, help="seconds of the steady window")
     g.add_argument("--vllm-max-tokens", type=int, default=128)
     g.add_argument("--vllm-prompts", type=int, default=2000)
+    g.add_argument("--vllm-repeats", type=int, default=3, help="alternating runs per side (best kept)")
     g = p.add_argument_group("overhead")
     g.add_argument("--overhead-tasks", type=int, default=2000)
     g.add_argument("--overhead-inflight", type=_ints, default=[16, 128])
@@ -103,7 +104,7 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
                               single_stream_tps=args.single_stream_tps, ceiling_tps=args.ceiling_tps, length=args.length)
     if name == "vllm":
         return vllm.run(folder, concurrency=args.vllm_concurrency, warmup=args.vllm_warmup, window=args.vllm_window,
-                        max_tokens=args.vllm_max_tokens, prompts=args.vllm_prompts)
+                        max_tokens=args.vllm_max_tokens, prompts=args.vllm_prompts, repeats=args.vllm_repeats)
     if name == "overhead":
         return overhead.run(folder, tasks=args.overhead_tasks, inflight=args.overhead_inflight)
     if name == "inventory":
