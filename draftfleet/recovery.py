@@ -10,6 +10,8 @@ moves and the same ``redelivered`` flag kombu's own restore uses, in one Lua scr
 the entry is unchanged and the claim still absent. If the key was stored before its holder died,
 the worker that gets the copy only counts it (idempotently) and acknowledges: that also repairs
 a count lost when Redis went away between the store and the count.
+Capture tasks (``workers/capture.py``) work the same way, with their unit's claim
+(``rk.capture_claim``): a copy whose unit has a file is acknowledged as done.
 
 Worst case (a holder cut off from Redis for longer than the claim TTL) this is a redelivery
 while the first copy still runs, the case the visibility timeout produces anyway: the claim and
@@ -18,6 +20,7 @@ the write-once store keep it to one stored, once-counted result.
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime
 
@@ -26,6 +29,8 @@ import redis
 
 from draftfleet import redis_keys as rk
 from draftfleet.store import StoreError, check_key, check_name
+
+_CAPTURE_UNIT = re.compile(r"^[0-9a-f]{64}\.\d+\.v\d+$")
 
 # KEYS: unacked, unacked_index, claim, queue; ARGV: tag, entry as read, payload to push.
 _RESTORE = """
@@ -59,6 +64,16 @@ def _eta_s(eta: str | None) -> float:
         return 0.0
 
 
+def _claim_of(routing_key: str, task_id: str) -> str:
+    """The claim a running copy of this message holds: a prompt's, or a capture unit's."""
+    if routing_key.startswith(rk.CAPTURE_QUEUE_PREFIX):
+        dataset = check_name(routing_key[len(rk.CAPTURE_QUEUE_PREFIX):])
+        if not _CAPTURE_UNIT.match(task_id):
+            raise StoreError(f"not a capture unit {task_id!r}")
+        return rk.capture_claim(dataset, task_id)
+    return rk.claim(check_name(rk.dataset_of_queue(routing_key) or ""), check_key(task_id))
+
+
 def _redelivered(raw: bytes) -> bytes:
     """The payload as kombu restores it: the message, flagged redelivered."""
     payload, _exchange, _routing_key = msgspec.json.decode(raw)
@@ -79,19 +94,18 @@ class Recovery:
         self._restore = r.register_script(_RESTORE)
 
     def sweep(self, now: float | None = None) -> int:
-        """Give orphaned messages of the dataset queues back; returns how many."""
+        """Give orphaned messages of the dataset and capture queues back; returns how many."""
         now = time.time() if now is None else now
         candidates = []
         for tag, raw in self.r.hscan_iter(rk.UNACKED, count=1000):
             try:
                 env, _exchange, routing_key = _entry.decode(raw)
-                dataset = check_name(rk.dataset_of_queue(routing_key) or "")
-                key = check_key(env.headers.id)
+                claim = _claim_of(routing_key, env.headers.id)
             except (msgspec.DecodeError, StoreError):
                 continue  # not one of our tasks: kombu's visibility timeout handles it
             if _eta_s(env.headers.eta) > now - self.grace_s:
                 continue  # a deferred task waiting for its countdown in some worker
-            candidates.append((tag, raw, dataset, key, routing_key))
+            candidates.append((tag, raw, claim, routing_key))
         if not candidates:
             return 0
         pipe = self.r.pipeline(transaction=False)
@@ -99,10 +113,10 @@ class Recovery:
             pipe.zscore(rk.UNACKED_INDEX, tag)
         delivered_at = pipe.execute()
         restored = 0
-        for (tag, raw, dataset, key, queue), at in zip(candidates, delivered_at):
+        for (tag, raw, claim, queue), at in zip(candidates, delivered_at):
             if at is None or float(at) > now - self.grace_s:
                 continue  # just delivered: its worker is about to claim it
-            restored += self._restore(keys=[rk.UNACKED, rk.UNACKED_INDEX, rk.claim(dataset, key), queue],
+            restored += self._restore(keys=[rk.UNACKED, rk.UNACKED_INDEX, claim, queue],
                                       args=[tag, raw, _redelivered(raw)])
         return restored
 

@@ -134,6 +134,12 @@ def capture_queue(dataset: str) -> str:
     return f"{CAPTURE_QUEUE_PREFIX}{dataset}"
 
 
+def capture_claim(dataset: str, unit: str) -> str:
+    """Held (SET NX EX, refreshed) by the worker capturing ``unit`` (``<key>.<turn>.v<version>``) now:
+    a message whose unit has no claim is held by nobody, and recovery gives it back (as ``claim``)."""
+    return f"{PREFIX}capture_claim:{dataset}:{unit}"
+
+
 def capture_progress(dataset: str) -> str:
     """Hash of a dataset's capture: version, units (to capture when queued), queued, captured, failed."""
     return f"{PREFIX}capture:{dataset}"

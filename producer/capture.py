@@ -75,10 +75,6 @@ def _waiting(r: redis.Redis, queue: str) -> set[str]:
     return ids
 
 
-def task_id(task: CaptureTask) -> str:
-    return f"{task.key}.{task.turn}.v{task.version}"
-
-
 def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, dataset: str, *,
                   new_version: bool = False, ignore_space: bool = False) -> CaptureSummary:
     """Queue the dataset's record turns that lack hidden states; refuse when they will not fit."""
@@ -116,11 +112,10 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
         sender = TaskSender(app, producer, queue, rk.CAPTURE_TASK_NAME)
         for task, _n in pending:
             task = msgspec.structs.replace(task, version=m.version)
-            tid = task_id(task)
-            if tid in waiting:
+            if task.unit in waiting:
                 already += 1
                 continue
-            sender.send(tid, msgspec.to_builtins(task), f"{dataset} {task.key[:12]} turn {task.turn}")
+            sender.send(task.unit, msgspec.to_builtins(task), f"{dataset} {task.key[:12]} turn {task.turn}")
             queued += 1
     r.delete(rk.capture_progress(dataset))
     r.hset(rk.capture_progress(dataset), mapping={"version": m.version, "units": units, "done": done,

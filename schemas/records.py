@@ -229,6 +229,11 @@ class CaptureTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
     v: int = SCHEMA_VERSION
 
+    @property
+    def unit(self) -> str:
+        """The unit's name: its Celery task id and its claim's (``<key>.<turn>.v<version>``)."""
+        return f"{self.key}.{self.turn}.v{self.version}"
+
 
 class CaptureManifest(msgspec.Struct, frozen=True, kw_only=True):
     """The settings one capture version of a dataset was made with; every file of it shares them.

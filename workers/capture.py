@@ -10,9 +10,12 @@ holds exactly the ids sent, the version's layers and hidden size, and only finit
 stores it write-once (``hidden.py``) and deletes the engine's copy.
 
 Delivery is at-least-once, like generation: a message is acknowledged after the file is stored
-(or the unit is recorded as failed); a redelivered copy finds the file and stops. A worker killed
-mid-run leaves its unit without a file, never with a half one; its message comes back after the
-visibility timeout, or at once with the next ``draftfleet capture`` (the resume).
+(or the unit is recorded as failed); a redelivered copy finds the file and stops. While a unit is
+captured its worker holds the unit's claim in Redis (``SET NX`` with a TTL its report loop keeps
+refreshing); a copy that finds the claim taken is acknowledged, since the holder's own message
+comes back if the holder dies. A worker killed mid-run leaves its unit without a file, never with
+a half one, and its claims lapse: any live worker's recovery sweep (``recovery.py``, the same as
+generation's) gives its messages back to the queue; the next ``draftfleet capture`` would too.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -40,7 +44,9 @@ from draftfleet.schemas.records import CaptureManifest, CaptureTask
 from draftfleet.store import Store, StoreError, check_key, check_name
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
+from draftfleet.recovery import Recovery
 from draftfleet.workers.consumer import dead_letter
+from draftfleet.workers.tasks import _REFRESH, _RELEASE, CLAIM_TTL_S, HEARTBEAT_S
 from draftfleet.workers.vllm import VLLMClient
 
 log = logging.getLogger("draftfleet.capture")
@@ -49,7 +55,6 @@ CONNECTOR_CLASS = "DraftfleetHiddenStatesConnector"
 CONNECTOR_MODULE = "draftfleet.workers.vllm_connector"
 FILE_WAIT_S = 120.0  # the connector writes the file after the answer: how long to wait for it
 INFRA_RETRY_S = 5.0
-REPORT_S = 5.0
 
 
 def engine_args(layer_ids: list[int], storage_path: str) -> list[str]:
@@ -184,31 +189,62 @@ class CaptureRuntime:
         self._manifests: dict[tuple[str, int], CaptureManifest] = {}
         self._lock = threading.Lock()
         self.inflight: dict[str, int] = {}
+        self._claims: set[tuple[str, str]] = set()  # (claim key, token)
         self._stop = threading.Event()
+        self.token = f"{hostname}:{os.getpid()}"
+        self._refresh = r.register_script(_REFRESH)
+        self._release = r.register_script(_RELEASE)
+        self.recovery = Recovery(r, grace_s=CLAIM_TTL_S)
 
-    def running(self, dataset: str, delta: int) -> None:
+    def acquire(self, task: CaptureTask) -> str | None:
+        """Claim the unit; its token, or None when another copy holds it."""
+        key, token = rk.capture_claim(task.dataset, task.unit), f"{self.token}:{secrets.token_hex(6)}"
+        if not self.r.set(key, token, nx=True, ex=CLAIM_TTL_S):
+            return None
         with self._lock:
-            self.inflight[dataset] = self.inflight.get(dataset, 0) + delta
+            self._claims.add((key, token))
+            self.inflight[task.dataset] = self.inflight.get(task.dataset, 0) + 1
+        return token
 
-    def start_reports(self, datasets: list[str], slots: int, every_s: float = REPORT_S) -> None:
-        """Publish this worker's report (``draftfleet status`` lists it) until :meth:`stop`; it has a
-        TTL, so a killed worker drops out of the list."""
+    def release(self, task: CaptureTask, token: str) -> None:
+        key = rk.capture_claim(task.dataset, task.unit)
+        with self._lock:
+            self._claims.discard((key, token))
+            self.inflight[task.dataset] -= 1
+        try:
+            self._release(keys=[key], args=[token])
+        except redis.RedisError:
+            pass  # the claim expires on its own
 
-        def publish() -> None:
+    def start_reports(self, datasets: list[str], slots: int) -> None:
+        """Every HEARTBEAT_S until :meth:`stop`: refresh the claims held, publish this worker's report
+        (``draftfleet status`` lists it; it has a TTL, so a killed worker drops out) and sweep for a
+        dead worker's messages."""
+
+        def beat() -> None:
             with self._lock:
+                claims = list(self._claims)
                 inflight = {d: n for d, n in self.inflight.items() if n}
             report = {"hostname": self.hostname, "kind": "capture", "backend": "vllm", "endpoint": self.client.endpoint,
                       "datasets": sorted(datasets), "queues": [rk.capture_queue(d) for d in sorted(datasets)],
                       "inflight": inflight, "slots": slots, "paused": None, "pid": os.getpid(), "at": time.time()}
             try:
-                self.r.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * every_s))
+                pipe = self.r.pipeline(transaction=False)
+                for key, token in claims:  # re-created if Redis lost it, never taken from another holder
+                    self._refresh(keys=[key], args=[token, CLAIM_TTL_S], client=pipe)
+                pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
+                pipe.execute()
+                restored = self.recovery.maybe_sweep(self.token, HEARTBEAT_S)
             except redis.RedisError as exc:
-                log.warning("cannot publish the worker report: %s", exc)
+                log.warning("heartbeat to Redis failed: %s", exc)
+                return
+            if restored:
+                log.warning("gave %d message(s) held by no live worker back to their queues", restored)
 
         def loop() -> None:
-            publish()
-            while not self._stop.wait(every_s):
-                publish()
+            beat()
+            while not self._stop.wait(HEARTBEAT_S):
+                beat()
 
         threading.Thread(target=loop, name="draftfleet-capture-report", daemon=True).start()
 
@@ -291,11 +327,15 @@ def execute(task_self, payload: object) -> str:
                     worker=rt.hostname)
         return "dead_letter"
     ids, prompt_len = units[task.turn]
-    rt.running(task.dataset, 1)
+    token = rt.acquire(task)
+    if token is None:
+        return "claimed"  # another copy runs it; if its worker dies, its own message comes back
     try:
+        if rt.hidden.has(task.dataset, task.version, task.key, task.turn):  # stored between our check and claim
+            return "duplicate"
         return _capture(rt, task, m, ids, prompt_len, record.source)
     finally:
-        rt.running(task.dataset, -1)
+        rt.release(task, token)
 
 
 def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: list[int], prompt_len: int,
