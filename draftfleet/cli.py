@@ -142,7 +142,19 @@ def cmd_worker(args) -> int:
     if args.kind == "capture":
         from draftfleet.workers.capture import run_capture_worker
 
-        gpus = [int(g) for g in args.gpu.split(",")] if args.gpu is not None else None
+        gpus = None
+        if args.gpu is not None:
+            from draftfleet.workers.launcher import gpu_groups
+
+            tp = cfg.vllm.launch.tp if cfg.vllm and cfg.vllm.launch else 1
+            try:
+                groups = gpu_groups(args.gpu, tp)
+            except ValueError as exc:
+                raise ConfigError(f"--gpu: {exc}") from None
+            if len(groups) > 1:
+                raise ConfigError(f"--gpu {args.gpu}: {len(groups)} groups of {tp} GPU(s); a capture worker runs one "
+                                  "vLLM server: start one worker per group")
+            gpus = groups[0]
         run_capture_worker(cfg, url=args.url, gpus=gpus, slots=args.inflight, datasets=args.dataset,
                            redis_url=args.redis_url, name=args.name, loglevel=args.loglevel)
         return 0
