@@ -30,7 +30,13 @@ _encode = msgspec.json.Encoder().encode
 
 
 def fill_store(store: Store, cfg, every: int = 2) -> int:
-    """Store a small valid record for every ``every``-th prompt of the dataset (written directly)."""
+    """Store a small valid record for every ``every``-th prompt of the dataset.
+
+    The store is made the fleet's way first (``Store.prepare`` marks it); the records are then
+    written straight to their paths, without ``put``'s two fsyncs each (measured 4.9 ms a record
+    against 0.4 ms here: four minutes of untimed set-up for 50,000).
+    """
+    store.prepare()
     ds = cfg.dataset(DATASET)
     settings = ds.settings(cfg.fleet.model)
     n = 0
