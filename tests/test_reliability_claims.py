@@ -105,6 +105,36 @@ def test_heartbeat_recreates_a_lost_claim_and_never_takes_one_from_its_new_holde
     assert r.get(claim) == b"survivor@host:7:abc"
 
 
+def test_heartbeat_never_brings_back_a_claim_released_while_it_ran(runtime, monkeypatch):
+    """A pause beats at once, as the worker's other tasks hit the same fault and go back to the queue:
+    a claim the beat listed, then released before its refresh reached Redis, was created again and
+    held the key from every worker for CLAIM_TTL_S (its requeued task deferred meanwhile)."""
+    r = runtime.r
+    task = runtime.prompt(3)
+    token = runtime.acquire(task)
+    claim = rk.claim("ds", task.key)
+    real = r.pipeline
+
+    def pipeline(*args, **kwargs):
+        pipe = real(*args, **kwargs)
+        send = pipe.execute
+
+        def execute(*a, **kw):
+            runtime.release(task, token)  # the task ends (requeued) between the beat's list and its refresh
+            return send(*a, **kw)
+
+        pipe.execute = execute
+        return pipe
+
+    monkeypatch.setattr(r, "pipeline", pipeline)
+    runtime.heartbeat()
+    monkeypatch.undo()
+    assert r.get(claim) is None
+    again = runtime.acquire(task)  # the requeued task runs at once, here or on any worker
+    assert again is not None and r.get(claim) == again.encode()
+    runtime.release(task, again)
+
+
 def test_transient_402_waits_for_retry_after_and_never_pauses(runtime, monkeypatch):
     """OpenRouter's in-flight-budget 402 carries Retry-After: the task retries after at least that."""
     from draftfleet.workers import tasks

@@ -175,6 +175,8 @@ class Runtime:
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
             return
+        finally:
+            self._drop_released(claims)
         try:
             restored = self.recovery.maybe_sweep(self.token, HEARTBEAT_S)
         except redis.RedisError as exc:
@@ -182,6 +184,17 @@ class Runtime:
             return
         if restored:
             log.warning("gave %d message(s) held by no live worker back to their queues", restored)
+
+    def _drop_released(self, claims: list[tuple[str, str]]) -> None:
+        """A task that released its claim between the beat's list and its refresh had it created
+        again (held from every worker for CLAIM_TTL_S): delete it once more, by its token."""
+        with self._lock:
+            released = [c for c in claims if c not in self._claims]
+        for key, token in released:
+            try:
+                self._release(keys=[key], args=[token])
+            except redis.RedisError:
+                return  # they expire on their own
 
     def start(self) -> None:
         self.heartbeat()
@@ -237,22 +250,38 @@ class Runtime:
         self.sync()
 
     def sync(self) -> None:
-        """Make the consumer follow the assignment (nothing while paused, no held dataset)."""
-        consumer = self._consumer
-        if consumer is None:
-            return
+        """Make the consumer follow the assignment (nothing while paused, no held dataset).
+
+        Only the consumer's own thread may change its queues, so the change is handed to it. The
+        calls come from several threads, and Celery runs what it is handed in no set order (kombu's
+        event loop keeps it in a set): a pause that cleared at once had its cancel run after the
+        resume's add, and the worker stopped consuming for good. So what is handed over is not a
+        change but :meth:`_apply`, which compares the queues wanted when it runs with the ones the
+        consumer has: whatever the order, the last one leaves the consumer as wanted.
+        """
         now = time.monotonic()
         with self._lock:
             held = {d for d, until in self.held.items() if until > now}
-            desired = set() if self.paused else {rk.queue(d) for d in self.allowed - held}
-            add, cancel = desired - self.consuming, self.consuming - desired
-            self.consuming = desired
-        for q in sorted(add):
+            self.consuming = set() if self.paused else {rk.queue(d) for d in self.allowed - held}
+        consumer = self._consumer
+        if consumer is not None:
+            consumer.call_soon(self._apply)
+
+    def _apply(self) -> None:
+        """On the consumer's thread: add and cancel queues until it consumes what is wanted now."""
+        consumer = self._consumer
+        queues = getattr(consumer, "task_consumer", None)
+        if queues is None:  # the connection is being set up again: the watch's next sync applies it
+            return
+        with self._lock:
+            wanted = set(self.consuming)
+        actual = {q.name for q in queues.queues if queues.consuming_from(q.name)} - {IDLE_QUEUE}
+        for q in sorted(wanted - actual):
             log.warning("now consuming %s", q)
-            consumer.call_soon(consumer.add_task_queue, q)
-        for q in sorted(cancel):
+            consumer.add_task_queue(q)
+        for q in sorted(actual - wanted):
             log.warning("no longer consuming %s", q)
-            consumer.call_soon(consumer.cancel_task_queue, q)
+            consumer.cancel_task_queue(q)
 
     def pause(self, reason: str, detail: str, ready: Callable[[], bool] | None = None) -> None:
         """Stop consuming (tasks stay queued); try again after ``pause_s``, or once ``ready()``."""
