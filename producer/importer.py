@@ -9,6 +9,18 @@ usage, the original ``source``) is kept, so a raw export imports back as the sam
 A cut-off last line (the writer was killed mid-line) is reported and skipped; other bad lines go
 to the quarantine. Nothing already in the store is overwritten.
 
+The file is read as a dataset is (``readers.open_regular``, ``readers.jsonl_lines``): a regular
+file only (a FIFO is a clear error, not a hang), one line at a time, a line over
+``IMPORT_LINE_BYTES`` quarantined with its length and sha256, never held whole.
+
+The target tokenizer re-tokenizes text-only lines. When it cannot for one line (the template
+renders that prompt differently once an answer follows it, the text holds what it parses as a
+special token), the line is quarantined as ``retokenize`` with the tokenizer's reason and the import
+goes on. When the chat template cannot place any answer as configured (``TemplateError``: a
+setting such as ``[fleet].end_of_turn`` or ``[fleet].reasoning_markers`` must change), every
+such line would fail alike: the import stops there with a one-line error naming the line; what
+was stored before it stays, and the same import run again after the fix skips it.
+
 A line that gives no ``finish_reason`` is classified by a rule the user picks (``FINISH_RULES``),
 and the summary says how many lines each rule decided:
 - ``max-tokens`` (default): ids ending in end-of-turn stopped; otherwise the response is truncated
@@ -31,13 +43,15 @@ from draftfleet.identity import prompt_key
 from draftfleet.ledger import Ledger
 from draftfleet.schemas.config import DatasetConfig
 from draftfleet.conversation import conversation_record, runs
-from draftfleet.schemas.records import DatasetManifest, Message, PromptTask, ResponseRecord, Turn, Usage
+from draftfleet.schemas.records import DatasetManifest, Message, PromptTask, QuarantineEntry, ResponseRecord, Turn, Usage
 from draftfleet.store import Store
-from draftfleet.tokenizer import TargetTokenizer
+from draftfleet.tokenizer import TargetTokenizer, TemplateError, TokenizerError
 from draftfleet.producer.enqueue import prompt_messages
-from draftfleet.producer.readers import PromptRow, Rejection, parse_line, rejection
+from draftfleet.producer.readers import Line, PromptRow, Rejection, jsonl_lines, open_regular, parse_line, rejection
 
 FINISH_RULES = ("max-tokens", "end-of-turn")
+IMPORT_LINE_BYTES = 64 * 1024 * 1024
+"""Above the datasets' limit: a raw export's line of a long conversation holds every turn's prompt ids."""
 TEXT_FIELDS = ("output", "response", "completion", "generated_text", "answer", "text")
 IDS_FIELDS = ("output_ids", "token_ids", "completion_ids")
 
@@ -213,52 +227,61 @@ def _provenance(row: dict[str, Any], given_ids: bool) -> dict[str, Any]:
 
 def import_file(path: str | Path, ds: DatasetConfig, manifest: DatasetManifest, store: Store,
                 tokenizer: TargetTokenizer | None, ledger: Ledger | None = None, label: str = "import",
-                finish_rule: str = FINISH_RULES[0]) -> ImportSummary:
+                finish_rule: str = FINISH_RULES[0], max_line_bytes: int = IMPORT_LINE_BYTES) -> ImportSummary:
+    """Import every line of ``path`` (see the module's docstring). Raises ``OSError`` when the file
+    cannot be opened or is not a regular file, ``TemplateError`` when the chat template must change."""
     if finish_rule not in FINISH_RULES:
         raise ValueError(f"unknown finish rule {finish_rule!r}: choose from {', '.join(FINISH_RULES)}")
     path = Path(path)
     summary = ImportSummary(dataset=ds.name, file=str(path), finish_rule=finish_rule)
     kinds: Counter[str] = Counter()
-    rejects = []
-    with open(path, "rb") as fh:
-        data_lines = fh.read().split(b"\n")
-    last_cut = data_lines[-1] != b""  # no newline at the end: maybe cut mid-write
-    if not last_cut:
-        data_lines.pop()
-    for lineno, line in enumerate(data_lines, 1):
-        line = line.rstrip(b"\r")
-        if not line.strip():
-            continue
-        summary.lines += 1
-        where = f"{path.name}:{lineno}"
-        row, prompt = parse_line(line, ds, where, lineno, str(path))
-        if isinstance(prompt, Rejection):
-            if last_cut and lineno == len(data_lines) and row is None:
-                summary.cut_last_line = True
-                continue
-            kinds[prompt.entry.kind] += 1
-            rejects.append(prompt.entry)
-            continue
-        try:
-            rec, decided = _record(ds, manifest, prompt, row, tokenizer, label, where, finish_rule)
-        except _Bad as bad:
-            rej = rejection(str(path), where, lineno, "bad_output", bad.detail, field=bad.field, raw=line)
-            kinds["bad_output"] += 1
-            rejects.append(rej.entry)
-            continue
-        verdicts = summary.finish_decided.setdefault(decided, {})
-        verdicts[rec.finish_reason] = verdicts.get(rec.finish_reason, 0) + 1
-        if not store.put(rec):
-            summary.already_present += 1
-            continue
-        if ledger is not None:
-            ledger.count(rec)
-        summary.imported += 1
-        summary.completion_tokens += rec.completion_tokens
-        summary.exact += rec.token_source == "exact"
-        summary.retokenized += rec.token_source == "retokenized"
-    if rejects:
-        store.quarantine(f"{ds.name}", rejects)
+    rejects: list[QuarantineEntry] = []
+    try:
+        with open_regular(path) as fh:
+            for line in jsonl_lines(fh, str(path), max_line_bytes):
+                summary.lines += 1
+                got = line.entry if isinstance(line, Rejection) else _line_record(
+                    line, ds, manifest, tokenizer, label, finish_rule, str(path))
+                if got is None:
+                    summary.cut_last_line = True
+                    continue
+                if isinstance(got, QuarantineEntry):
+                    kinds[got.kind] += 1
+                    rejects.append(got)
+                    continue
+                rec, decided = got
+                verdicts = summary.finish_decided.setdefault(decided, {})
+                verdicts[rec.finish_reason] = verdicts.get(rec.finish_reason, 0) + 1
+                if not store.put(rec):
+                    summary.already_present += 1
+                    continue
+                if ledger is not None:
+                    ledger.count(rec)
+                summary.imported += 1
+                summary.completion_tokens += rec.completion_tokens
+                summary.exact += rec.token_source == "exact"
+                summary.retokenized += rec.token_source == "retokenized"
+    finally:  # also when a template problem stops the import: what was rejected before it is kept
+        store.quarantine(ds.name, rejects)
     summary.rejected = sum(kinds.values())
     summary.rejected_by_kind = dict(kinds)
     return summary
+
+
+def _line_record(line: Line, ds: DatasetConfig, manifest: DatasetManifest, tokenizer: TargetTokenizer | None,
+                 label: str, finish_rule: str, path: str) -> tuple[ResponseRecord, str] | QuarantineEntry | None:
+    """The record of one line and what decided its finish reason; the quarantine entry of a rejected
+    line; None for a cut-off last line (no newline after it, and not JSON: its writer was killed)."""
+    row, prompt = parse_line(line.data, ds, line.where, line.lineno, path)
+    if isinstance(prompt, Rejection):
+        return None if not line.ended and row is None else prompt.entry
+    try:
+        return _record(ds, manifest, prompt, row, tokenizer, label, line.where, finish_rule)
+    except _Bad as bad:
+        kind, field, detail = "bad_output", bad.field, bad.detail
+    except TemplateError as exc:
+        raise TemplateError(f"{line.where}: {exc}; the import stopped at this line (what it imported before "
+                            "stays: run it again once the setting is fixed)") from None
+    except TokenizerError as exc:
+        kind, field, detail = "retokenize", "output", f"the target tokenizer cannot re-tokenize this answer: {exc}"
+    return rejection(path, line.where, line.lineno, kind, detail, field=field, raw=line.data).entry

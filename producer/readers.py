@@ -32,6 +32,8 @@ from draftfleet.schemas.records import Message, QuarantineEntry
 
 UTF8_BOM = b"\xef\xbb\xbf"
 PARQUET_BATCH_ROWS = 1024
+MAX_LINE_BYTES = 4 * 1024 * 1024
+"""A dataset line longer than this is quarantined (its excerpt, length and sha256), never held whole."""
 EXCERPT_BYTES = 4096
 """What the quarantine keeps of a line over the limit (with the line's length and sha256)."""
 _STREAM_CHUNK = 1 << 20
@@ -66,6 +68,16 @@ class Rejection(msgspec.Struct, frozen=True):
     entry: QuarantineEntry
 
 
+class Line(msgspec.Struct, frozen=True):
+    """One non-blank JSONL line within the limit, without its terminator. ``ended``: a newline
+    followed it (only a file's last line can lack one: its writer may have been killed mid-line)."""
+
+    where: str
+    lineno: int
+    data: bytes
+    ended: bool
+
+
 class _Reject(Exception):
     """Raised by the shape parsers; the reader turns it into a ``Rejection``."""
 
@@ -74,7 +86,7 @@ class _Reject(Exception):
         self.kind, self.field, self.detail = kind, field, detail
 
 
-def read_prompts(ds: DatasetConfig, *, max_line_bytes: int = 4 * 1024 * 1024) -> Iterator[PromptRow | Rejection]:
+def read_prompts(ds: DatasetConfig, *, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[PromptRow | Rejection]:
     """Yield each row of ``ds.path`` as a ``PromptRow`` or a ``Rejection``, in file order; never raises
     for bad data. A file that cannot be read at all yields one rejection with ``line`` None."""
     if ds.file_format == "parquet":
@@ -115,14 +127,39 @@ def open_regular(path: str | Path) -> BinaryIO:
         raise
 
 
-def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes, int | None, str | None]]:
-    """Each line without its terminator as (bytes, None, None); a line over ``limit`` as (its first
-    EXCERPT_BYTES, its length, its sha256), streamed through the hash, never held whole."""
+def jsonl_lines(f: BinaryIO, path: str, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Line | Rejection]:
+    """The non-blank lines of an open JSONL file (``open_regular``), read bounded: a leading BOM
+    skipped, a line over ``max_line_bytes`` a ``line_too_long`` rejection keeping its first bytes,
+    length and sha256, a failed read an ``unreadable_file`` rejection naming the line (and the end).
+    The one line reader of datasets and of ``import``."""
+    name, lineno = Path(path).name, 0
+    try:
+        if f.peek(len(UTF8_BOM))[:len(UTF8_BOM)] == UTF8_BOM:
+            f.read(len(UTF8_BOM))
+        for lineno, (line, size, digest, ended) in enumerate(_lines(f, max_line_bytes), 1):
+            where = f"{name}:{lineno}"
+            if size is not None:
+                detail = (f"line is {size} bytes, over the limit of {max_line_bytes} (max_line_bytes); "
+                          f"kept: its first {len(line)} bytes, its length and sha256")
+                yield _rejection(path, where, lineno, "line_too_long", detail, raw=_utf8_prefix(line),
+                                 line_bytes=size, line_sha256=digest)
+            elif line.strip():
+                yield Line(where, lineno, line, ended)
+    except OSError as exc:
+        where = f"{name}:{lineno + 1}"
+        yield _rejection(path, where, lineno + 1, "unreadable_file", f"read failed: {exc.strerror or exc}")
+
+
+def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes, int | None, str | None, bool]]:
+    """Each line without its terminator as (bytes, None, None, ended); a line over ``limit`` as (its
+    first EXCERPT_BYTES, its length, its sha256, ended), streamed through the hash, never held whole.
+    ``ended``: a newline followed the line."""
     while line := f.readline(limit + 2):
         if line.endswith(b"\n") or len(line) < limit + 2:
-            line = line[:-2] if line.endswith(b"\r\n") else line[:-1] if line.endswith(b"\n") else line
-            yield (line, None, None) if len(line) <= limit else (line[:EXCERPT_BYTES], len(line),
-                                                                 hashlib.sha256(line).hexdigest())
+            ended = line.endswith(b"\n")
+            line = line[:-2] if line.endswith(b"\r\n") else line[:-1] if ended else line
+            yield (line, None, None, ended) if len(line) <= limit else (line[:EXCERPT_BYTES], len(line),
+                                                                        hashlib.sha256(line).hexdigest(), ended)
             continue
         excerpt, digest, size, held = line[:EXCERPT_BYTES], hashlib.sha256(), 0, line
         while not held.endswith(b"\n") and (chunk := f.readline(_STREAM_CHUNK)):
@@ -130,10 +167,11 @@ def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes, int | None, str | N
             digest.update(held[:-2])  # the last two bytes wait: they may be the terminator
             size += len(held) - 2
             held = held[-2:] + chunk
-        held = held[:-2] if held.endswith(b"\r\n") else held[:-1] if held.endswith(b"\n") else held
+        ended = held.endswith(b"\n")
+        held = held[:-2] if held.endswith(b"\r\n") else held[:-1] if ended else held
         digest.update(held)
         size += len(held)
-        yield excerpt[:size], size, digest.hexdigest()
+        yield excerpt[:size], size, digest.hexdigest(), ended
 
 
 def _utf8_prefix(excerpt: bytes) -> bytes:
@@ -153,28 +191,13 @@ def _read_jsonl(ds: DatasetConfig, max_line_bytes: int) -> Iterator[PromptRow | 
     except OSError as exc:
         yield _rejection(ds.path, name, None, "unreadable_file", f"cannot read {ds.path}: {exc.strerror or exc}")
         return
-    lineno, content_lines = 0, 0
+    content_lines = 0
     with f:
-        try:
-            if f.peek(len(UTF8_BOM))[:len(UTF8_BOM)] == UTF8_BOM:
-                f.read(len(UTF8_BOM))
-            for lineno, (line, size, digest) in enumerate(_lines(f, max_line_bytes), 1):
-                where = f"{name}:{lineno}"
-                if size is not None:
-                    content_lines += 1
-                    detail = (f"line is {size} bytes, over the limit of {max_line_bytes} (max_line_bytes); "
-                              f"kept: its first {len(line)} bytes, its length and sha256")
-                    yield _rejection(ds.path, where, lineno, "line_too_long", detail, raw=_utf8_prefix(line),
-                                     line_bytes=size, line_sha256=digest)
-                    continue
-                if not line.strip():
-                    continue
-                content_lines += 1
-                yield _jsonl_row(line, ds, where, lineno)
-        except OSError as exc:
-            where = f"{name}:{lineno + 1}"
-            yield _rejection(ds.path, where, lineno + 1, "unreadable_file", f"read failed: {exc.strerror or exc}")
-            return
+        for item in jsonl_lines(f, ds.path, max_line_bytes):
+            yield _jsonl_row(item.data, ds, item.where, item.lineno) if isinstance(item, Line) else item
+            if isinstance(item, Rejection) and item.entry.kind == "unreadable_file":
+                return  # a read failed: what follows is unknown, not empty
+            content_lines += 1
     if not content_lines:
         yield _rejection(ds.path, name, None, "empty_file", "no rows: the file is empty or holds only blank lines")
 
