@@ -90,7 +90,14 @@ for _, h in ipairs({KEYS[2], KEYS[4]}) do
   redis.call('HINCRBY', h, 'completion_tokens', ARGV[3])
   redis.call('HINCRBY', h, 'cost_micro_usd', ARGV[4])
 end
-redis.call('HINCRBY', KEYS[3], 'cost_micro_usd', ARGV[4])
+if #KEYS == 8 then
+  redis.call('HINCRBY', KEYS[3], 'cost_micro_usd', ARGV[4])
+else  -- a conversation: each turn to the spend of the backend that paid it, unless added when paid
+  for i = 10, #KEYS do
+    if redis.call('HDEL', KEYS[9], i - 10) == 0 then redis.call('HINCRBY', KEYS[i], 'cost_micro_usd', ARGV[i - 3]) end
+  end
+  redis.call('DEL', KEYS[9])
+end
 redis.call('HINCRBY', KEYS[4], 'latency_ms', ARGV[6])
 redis.call('HINCRBY', KEYS[4], 'completion_tokens_sq', tonumber(ARGV[3]) * tonumber(ARGV[3]))
 redis.call('HINCRBY', KEYS[6], 'completion_tokens', ARGV[3])
@@ -239,20 +246,46 @@ class Ledger:
 
     # -- counting --------------------------------------------------------------------------
     def count(self, record: ResponseRecord, now: float | None = None) -> bool:
-        """Add a stored record to the totals (and free its reservation); False if already counted."""
+        """Add a stored record to the totals (and free its reservation); False if already counted.
+
+        A conversation's turns go to the spend of the backend that paid each, except those
+        :meth:`prepay` added when they were paid (their marks are consumed): each paid turn is in
+        the spend once, whether its conversation is stored or not.
+        """
         bucket = int((now or time.time()) // RATE_BUCKET_S)
+        turns = getattr(record, "turns", None) or []
+        conversation = [rk.prepaid(record.dataset, record.key), *(rk.spend(t.backend) for t in turns)] if turns else []
         added = self._count(
             keys=[rk.counted_set(record.dataset), rk.totals(record.dataset, record.backend), rk.spend(record.backend),
                   rk.dataset_totals(record.dataset), rk.reservations(record.dataset),
-                  rk.rate(record.dataset, record.backend, bucket), *self._reservation_index(record.dataset)],
+                  rk.rate(record.dataset, record.backend, bucket), *self._reservation_index(record.dataset),
+                  *conversation],
             args=[record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd), RATE_KEEP_S,
-                  int(getattr(record, "latency_s", 0.0) * 1000)],
+                  int(getattr(record, "latency_s", 0.0) * 1000), *(micro_usd(t.cost_usd) for t in turns)],
         )
         return bool(added)
 
+    def prepay(self, dataset: str, key: str, turn: int, backend: str, cost_usd: float) -> None:
+        """Add a conversation's turn to ``backend``'s spend as soon as it is paid, and mark it so that
+        counting the stored record does not add it again.
+
+        The turns of a conversation that fails at a later turn, is skipped or waits for a retry were
+        paid all the same: the spend cap must see them now, not only once (if ever) the record is
+        stored. Spend and mark change together (one transaction); a turn paid twice (its worker
+        died before keeping it) is in the spend twice, as it was paid twice.
+        """
+        if not micro_usd(cost_usd):
+            return
+        with self.r.pipeline(transaction=True) as pipe:
+            pipe.hincrby(rk.spend(backend), "cost_micro_usd", micro_usd(cost_usd))
+            pipe.hset(rk.prepaid(dataset, key), str(turn), 1)
+            pipe.expire(rk.prepaid(dataset, key), rk.PREPAID_TTL_S)
+            pipe.execute()
+
     def charge(self, backend: str, cost_usd: float) -> None:
         """Add a generation no stored record carries (a twin stored the key first) to the backend's
-        spend: it was paid for, and the spend cap must see it."""
+        spend: it was paid for, and the spend cap must see it. (A conversation's turns are added
+        as they are paid: :meth:`prepay`.)"""
         if cost_usd:
             self.r.hincrby(rk.spend(backend), "cost_micro_usd", micro_usd(cost_usd))
 

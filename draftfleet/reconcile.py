@@ -29,6 +29,13 @@ FIELDS = ("responses", "prompt_tokens", "completion_tokens", "cost_micro_usd")
 SET_ASIDE_CLAIM_S = 10
 
 
+class _TurnFigures(msgspec.Struct, frozen=True):
+    """What a conversation's turn adds to the spend of the backend that paid it (``Ledger.count``)."""
+
+    backend: str
+    cost_usd: float
+
+
 class _Figures(msgspec.Struct, frozen=True):
     """The part of a record the counters need (decoding only this is fast)."""
 
@@ -38,6 +45,7 @@ class _Figures(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cost_usd: float
+    turns: list[_TurnFigures] = []
 
 
 _figures = msgspec.json.Decoder(_Figures)

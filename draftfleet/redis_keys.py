@@ -103,6 +103,17 @@ def spend(backend: str) -> str:
     return f"{PREFIX}spend:{backend}"
 
 
+def prepaid(dataset: str, key: str) -> str:
+    """Hash turn index -> 1 of a conversation's turns already added to ``spend`` when they were paid
+    (ledger.py): counting the stored record adds only the turns not marked. Expires (PREPAID_TTL_S)."""
+    return f"{PREFIX}prepaid:{dataset}:{key}"
+
+
+# A conversation given up for longer than this (failed, never retried) loses its marks: a retry
+# after that would add the turns kept from before to the spend a second time.
+PREPAID_TTL_S = 30 * 86400
+
+
 def events(dataset: str) -> str:
     """Counters of retries and failures by reason (hash)."""
     return f"{PREFIX}events:{dataset}"

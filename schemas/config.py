@@ -215,7 +215,11 @@ class FleetConfig(msgspec.Struct, kw_only=True):
         return next(iter(configured.items()))
 
     def longest_task_s(self) -> float:
-        """Worst case a task holds its message: every attempt timing out, plus the longest wait."""
+        """Worst case a task holds its message: every attempt timing out, plus the longest wait.
+
+        For a conversation (``turns = "all"``) this is one turn's worst case: its turns are as
+        many as its row has, so a conversation goes back to its queue between turns before its
+        message could outlive the visibility timeout (``workers.tasks._conversation``)."""
         timeouts = [c.request_timeout_s + c.connect_timeout_s for c in self.clouds.values()]
         timeouts += [e.request_timeout_s + e.connect_timeout_s for e in (self.sglang, self.vllm) if e]
         per_attempt = max(timeouts, default=0.0)
@@ -326,8 +330,8 @@ def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
     if cfg.longest_task_s() >= fleet.visibility_timeout_s:
         raise ConfigError(
             f"{path}: fleet.visibility_timeout_s: {fleet.visibility_timeout_s}s is shorter than the longest "
-            f"a task can run ({cfg.longest_task_s():.0f}s = max_attempts x request timeouts): Redis would "
-            "hand a running task to a second worker"
+            f"a task (or a conversation's turn) can run ({cfg.longest_task_s():.0f}s = max_attempts x request "
+            "timeouts): Redis would hand a running task to a second worker"
         )
     return cfg
 

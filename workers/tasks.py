@@ -487,23 +487,45 @@ def _progress(rt: Runtime, task: PromptTask) -> list[Turn]:
     return list(kept.turns) if kept is not None else []
 
 
-def _conversation(rt: Runtime, task: PromptTask, done: list[Turn]) -> ResponseRecord | None:
+def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: float) -> ResponseRecord | None:
     """Answer a conversation's user turns in order, each asked with the history of the fleet's own
     answers (``draftfleet.conversation``); None if a turn failed.
 
     Each completed turn is kept in the store before the next is asked, so a worker's death, a
-    pause or a retry resumes at the next turn and never pays for a completed one twice. A turn cut
-    at ``max_tokens`` ends the conversation: later turns would build on a cut answer. A conversation
-    that has started finishes on the worker that holds it, also after a pivot or drain (or goes
-    back to its queue whole, its completed turns kept, when the worker pauses or stops).
+    pause or a retry resumes at the next turn and never pays for a completed one twice; its cost
+    goes to the spend as soon as it is paid (``Ledger.prepay``), also if a later turn fails. A turn
+    cut at ``max_tokens`` ends the conversation: later turns would build on a cut answer. A
+    conversation that has started finishes on the worker that holds it, also after a pivot or
+    drain (or goes back to its queue whole, its completed turns kept, when the worker pauses or stops).
+
+    The visibility timeout. The config checks that one turn's worst case (``longest_task_s``:
+    every attempt timing out, the longest Retry-After between them) fits in the visibility
+    timeout, but a conversation's turns are as many as its dataset row has, known only per row.
+    So the message is not held for the whole conversation: before asking another turn, a
+    conversation whose message (held since ``held_since``) could outlive the visibility timeout
+    during that turn's worst case goes back to its queue, its completed turns kept, and the next
+    delivery (a fresh visibility window) resumes at that turn. Every delivery asks at least one
+    turn, so a conversation always advances, and no delivery holds its message past the timeout
+    (Redis would hand it to a second worker meanwhile, celery#5935).
     """
     parts = runs(task.messages)
+    asked = 0
     while len(done) < len(parts) and not (done and done[-1].truncated):
+        if asked and time.monotonic() - held_since + rt.cfg.longest_task_s() >= rt.cfg.fleet.visibility_timeout_s:
+            rt.ledger.event(task.dataset, "handed_back:visibility_timeout")
+            log.info("%s %s: turn %d of %d could outlive the visibility timeout: back to the queue, %d turns kept",
+                     task.dataset, task.source, len(done) + 1, len(parts), len(done))
+            raise Reject("conversation handed back before the visibility timeout", requeue=True)
         reasons: list[str] = []
         gen, attempts, latency = _generate(rt, task, reasons, msgspec.structs.replace(
             task, messages=history(task.messages, done)))
+        asked += 1
         if gen is None:
             return None
+        try:
+            rt.ledger.prepay(task.dataset, task.key, len(done), rt.backend.name, gen.cost_usd)
+        except redis.RedisError as exc:  # left unmarked, the turn is added when its record is counted
+            log.warning("%s %s: turn %d not added to the spend yet: %s", task.dataset, task.source, len(done) + 1, exc)
         done.append(Turn(
             prompt_ids=gen.prompt_ids, output_ids=gen.output_ids, text=gen.text, reasoning=gen.reasoning,
             finish_reason=gen.finish_reason, truncated=gen.truncated, prompt_tokens=gen.prompt_tokens,
@@ -520,6 +542,7 @@ def _conversation(rt: Runtime, task: PromptTask, done: list[Turn]) -> ResponseRe
 def execute(task_self, payload: object) -> str:
     """Body of the Celery task; returns what happened (``stored``, ``duplicate``, ``failed``...)."""
     rt = runtime()
+    held_since = time.monotonic()  # the message was reserved a moment before (one per slot: prefetch 1)
     queue = _queue(task_self)
     try:
         task = msgspec.convert(payload, PromptTask)
@@ -545,7 +568,7 @@ def execute(task_self, payload: object) -> str:
         if not _admit(rt, task, turns - len(done), turns):
             return "skipped"
         if task.settings.turns == "all":
-            record = _conversation(rt, task, done)
+            record = _conversation(rt, task, done, held_since)
             if record is None:
                 return "failed"
         else:
@@ -566,8 +589,10 @@ def execute(task_self, payload: object) -> str:
         if record.turns:
             rt.store.clear_progress(task.dataset, task.key)
         if not stored:
-            # A twin stored the key while we generated; ours was paid for all the same.
-            rt.ledger.charge(record.backend, record.cost_usd)
+            # A twin stored the key while we generated; ours was paid for all the same (a
+            # conversation's turns are in the spend already: added as they were paid).
+            if not record.turns:
+                rt.ledger.charge(record.backend, record.cost_usd)
             return _count_existing(rt, task, set_aside=False) or "duplicate"
         rt.ledger.count(record)
         if record.truncated:

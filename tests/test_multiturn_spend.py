@@ -1,0 +1,107 @@
+"""Conversations and the money and time they take (issue 13's follow-ups): every paid turn is in
+the spend once, stored or not; no delivery holds a conversation's message past the visibility
+timeout. Run in-process on a real Redis, the cloud backend on the emulator (``conversation_worker``)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import msgspec
+import pytest
+from celery.exceptions import Reject
+
+from draftfleet import redis_keys as rk
+from draftfleet.identity import prompt_key
+from draftfleet.ledger import micro_usd
+from draftfleet.reconcile import Reconciler
+
+from .test_multiturn import conversation_worker  # noqa: F401 - the fixture
+
+
+def _spend(rt) -> int:
+    return int(rt.r.hget(rk.spend("cloudy"), "cost_micro_usd") or 0)
+
+
+def test_turns_paid_before_a_failed_turn_are_in_the_spend_once(conversation_worker, monkeypatch):  # noqa: F811
+    """Turn 2 is refused: turn 1 was paid, so the spend (what the cap sees) holds it although no
+    record is stored. The retry stores the conversation: its count adds turns 2 and 3 only, and
+    the reconciler finds nothing to correct."""
+    tasks, rt, task, run, emu = conversation_worker
+    real = rt.store.put_progress
+
+    def then_refuse(progress):
+        real(progress)
+        emu.update(rate_moderation=1.0)
+
+    monkeypatch.setattr(rt.store, "put_progress", then_refuse)
+    assert run(task) == "failed"
+    [turn1] = rt.store.progress("ds", task.key).turns
+    assert turn1.cost_usd > 0 and _spend(rt) == micro_usd(turn1.cost_usd)
+
+    monkeypatch.setattr(rt.store, "put_progress", real)
+    emu.update(rate_moderation=0.0)
+    [failure] = rt.store.failures("ds")
+    assert run(failure.task) == "stored"
+    rec = rt.store.get("ds", task.key)
+    assert rec.turns[0] == turn1 and len(rec.turns) == 3
+    assert _spend(rt) == sum(micro_usd(t.cost_usd) for t in rec.turns)
+    assert rt.ledger.totals("ds")["cloudy"]["cost_micro_usd"] == micro_usd(rec.cost_usd)  # the record, once
+    assert not rt.r.exists(rk.prepaid("ds", task.key))
+    drift = Reconciler(rt.store, rt.r).reconcile("ds")
+    assert (drift.newly_counted, drift.corrections) == (0, {})
+    assert _spend(rt) == sum(micro_usd(t.cost_usd) for t in rec.turns)
+
+
+def test_a_conversation_stored_but_not_counted_is_counted_by_the_reconciler_without_paying_twice(
+        conversation_worker, monkeypatch):  # noqa: F811
+    """The worker stored the conversation and died before counting it: the reconciler counts the
+    record, and the turns already in the spend (added when paid) are not added again."""
+    tasks, rt, task, run, emu = conversation_worker
+    monkeypatch.setattr(rt.ledger, "count", lambda record, now=None: True)
+    assert run(task) == "stored"
+    rec = rt.store.get("ds", task.key)
+    paid = sum(micro_usd(t.cost_usd) for t in rec.turns)
+    assert paid > 0 and _spend(rt) == paid
+    drift = Reconciler(rt.store, rt.r).reconcile("ds")
+    assert drift.newly_counted == 1 and drift.corrections == {}
+    assert _spend(rt) == paid
+    assert rt.ledger.totals("ds")["cloudy"]["responses"] == 1
+
+
+def test_a_conversation_goes_back_to_its_queue_before_its_message_could_outlive_the_visibility_timeout(
+        conversation_worker, monkeypatch):  # noqa: F811
+    """Turns of a little over a second, and a visibility timeout with room for one turn's worst case
+    and one second more: each delivery asks one turn, keeps it and hands the conversation back, the
+    next resumes at the next turn; no turn is asked twice. With a minute more, one delivery asks all."""
+    tasks, rt, task, run, emu = conversation_worker
+    longest = rt.cfg.longest_task_s()
+    visibility = math.ceil(longest) + 1
+    real, asked = rt.backend.generate, []
+
+    def slow(t):  # a turn that takes just over the room left in the visibility window
+        time.sleep(visibility - longest + 0.1)
+        asked.append(len(t.messages))
+        return real(t)
+
+    monkeypatch.setattr(rt.backend, "generate", slow)
+    rt.cfg = msgspec.structs.replace(rt.cfg, fleet=msgspec.structs.replace(rt.cfg.fleet, visibility_timeout_s=visibility))
+    for kept in (1, 2):
+        with pytest.raises(Reject) as info:
+            run(task)
+        assert info.value.requeue
+        assert len(rt.store.progress("ds", task.key).turns) == kept
+        assert not rt.r.hexists(rk.reservations("ds"), task.key)  # given back with the message
+    assert run(task) == "stored"
+    assert len(rt.store.get("ds", task.key).turns) == 3
+    assert asked == [1, 3, 5]  # each turn once, with its history
+    assert rt.ledger.events("ds")["handed_back:visibility_timeout"] == 2
+
+    rt.cfg = msgspec.structs.replace(rt.cfg, fleet=msgspec.structs.replace(rt.cfg.fleet, visibility_timeout_s=visibility
+                                                                           + 60))
+    messages = [msgspec.structs.replace(m, content=m.content + " again") if m.role == "user" else m
+                for m in task.messages]
+    other = msgspec.structs.replace(task, messages=messages, key=prompt_key("ds", messages, task.settings))
+    assert run(other) == "stored"
+    assert len(rt.store.get("ds", other.key).turns) == 3
+    assert rt.ledger.events("ds")["handed_back:visibility_timeout"] == 2
