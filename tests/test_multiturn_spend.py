@@ -105,3 +105,21 @@ def test_a_conversation_goes_back_to_its_queue_before_its_message_could_outlive_
     assert run(other) == "stored"
     assert len(rt.store.get("ds", other.key).turns) == 3
     assert rt.ledger.events("ds")["handed_back:visibility_timeout"] == 2
+
+
+def test_a_conversation_a_twin_stored_first_is_not_charged_again(conversation_worker, monkeypatch):  # noqa: F811
+    """A twin stored the conversation while this copy generated it: this copy's turns are in the
+    spend once (added as they were paid), not once more as a loser's charge."""
+    tasks, rt, task, run, emu = conversation_worker
+    real = rt.store.put
+
+    def twin_first(record):
+        real(msgspec.structs.replace(record, worker="twin@test"))
+        return real(record)
+
+    monkeypatch.setattr(rt.store, "put", twin_first)
+    assert run(task) == "duplicate"
+    rec = rt.store.get("ds", task.key)
+    assert rec.worker == "twin@test"
+    assert _spend(rt) == sum(micro_usd(t.cost_usd) for t in rec.turns) > 0
+    assert rt.ledger.totals("ds")["cloudy"]["responses"] == 1
