@@ -9,8 +9,8 @@ Layout under the root::
     _quarantine/<dataset>.jsonl        input lines that were rejected, verbatim
     _progress/<dataset>/<key>.json     completed turns of a conversation still being generated
     _hidden/<dataset>/v<N>/...         captured hidden states, one file per record turn (hidden.py)
-
     .draftfleet-store                  marker: this folder is a fleet store (see ``Store.prepare``)
+
 Writes are atomic (temp file in the same folder, fsync, then ``link``): ``link`` fails when the
 target exists, so of two workers finishing the same key exactly one wins, on any POSIX file
 system including NFS. The winner is the only one that counts the record.
@@ -31,12 +31,12 @@ from draftfleet.schemas.config import NAME_RE
 from draftfleet.schemas.records import DatasetManifest, FailureRecord, QuarantineEntry, ResponseRecord, TurnProgress
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
-_encoder = msgspec.json.Encoder()
-_record_decoder = msgspec.json.Decoder(ResponseRecord)
-_failure_decoder = msgspec.json.Decoder(FailureRecord)
 MARKER = ".draftfleet-store"
 # What a store made before the marker existed can hold: it is recognised, and marked.
 _FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "lost+found"}
+_encoder = msgspec.json.Encoder()
+_record_decoder = msgspec.json.Decoder(ResponseRecord)
+_failure_decoder = msgspec.json.Decoder(FailureRecord)
 _manifest_decoder = msgspec.json.Decoder(DatasetManifest)
 _quarantine_decoder = msgspec.json.Decoder(QuarantineEntry)
 
@@ -97,16 +97,6 @@ class Store:
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    # -- responses -----------------------------------------------------------------------
-    def path(self, dataset: str, key: str) -> Path:
-        check_name(dataset)
-        check_key(key)
-        return self.root / dataset / key[:2] / f"{key}.json"
-
-    def has(self, dataset: str, key: str) -> bool:
-        """Something is at the key's path (a dangling symlink too: ``link`` could not replace it)."""
-        return os.path.lexists(self.path(dataset, key))
-
     def prepare(self) -> None:
         """Make sure the root is the fleet's own before anything is written under it.
 
@@ -132,6 +122,16 @@ class Store:
                                  f"and no {MARKER} marker; use an empty folder")
         root.mkdir(mode=0o755, parents=True, exist_ok=True)  # not group-writable, whatever the umask
         (root / MARKER).write_text('{"draftfleet_store": 1}\n')
+
+    # -- responses -----------------------------------------------------------------------
+    def path(self, dataset: str, key: str) -> Path:
+        check_name(dataset)
+        check_key(key)
+        return self.root / dataset / key[:2] / f"{key}.json"
+
+    def has(self, dataset: str, key: str) -> bool:
+        """Something is at the key's path (a dangling symlink too: ``link`` could not replace it)."""
+        return os.path.lexists(self.path(dataset, key))
 
     def put(self, record: ResponseRecord) -> bool:
         """Write ``record`` once. True if this call stored it, False if the key already had one.
