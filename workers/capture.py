@@ -24,7 +24,6 @@ import fcntl
 import json
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
+from draftfleet.claims import CLAIM_TTL_S, HEARTBEAT_S, Claims
 from draftfleet.hidden import (CaptureError, HiddenStore, capture_settings, encode_safetensors, read_safetensors,
                                record_units, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
@@ -46,7 +46,6 @@ from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
 from draftfleet.recovery import Recovery
 from draftfleet.workers.consumer import dead_letter
-from draftfleet.workers.tasks import _REFRESH, _RELEASE, CLAIM_TTL_S, HEARTBEAT_S
 from draftfleet.workers.vllm import VLLMClient
 
 log = logging.getLogger("draftfleet.capture")
@@ -187,34 +186,16 @@ class CaptureRuntime:
         self.layer_ids = layer_ids
         self.model_sha = model_sha
         self._manifests: dict[tuple[str, int], CaptureManifest] = {}
-        self._lock = threading.Lock()
-        self.inflight: dict[str, int] = {}
-        self._claims: set[tuple[str, str]] = set()  # (claim key, token)
+        self.claims = Claims(r, hostname)
         self._stop = threading.Event()
-        self.token = f"{hostname}:{os.getpid()}"
-        self._refresh = r.register_script(_REFRESH)
-        self._release = r.register_script(_RELEASE)
         self.recovery = Recovery(r, grace_s=CLAIM_TTL_S)
 
     def acquire(self, task: CaptureTask) -> str | None:
         """Claim the unit; its token, or None when another copy holds it."""
-        key, token = rk.capture_claim(task.dataset, task.unit), f"{self.token}:{secrets.token_hex(6)}"
-        if not self.r.set(key, token, nx=True, ex=CLAIM_TTL_S):
-            return None
-        with self._lock:
-            self._claims.add((key, token))
-            self.inflight[task.dataset] = self.inflight.get(task.dataset, 0) + 1
-        return token
+        return self.claims.acquire(rk.capture_claim(task.dataset, task.unit), task.dataset)
 
     def release(self, task: CaptureTask, token: str) -> None:
-        key = rk.capture_claim(task.dataset, task.unit)
-        with self._lock:
-            self._claims.discard((key, token))
-            self.inflight[task.dataset] -= 1
-        try:
-            self._release(keys=[key], args=[token])
-        except redis.RedisError:
-            pass  # the claim expires on its own
+        self.claims.release(rk.capture_claim(task.dataset, task.unit), task.dataset, token)
 
     def start_reports(self, datasets: list[str], slots: int) -> None:
         """Every HEARTBEAT_S until :meth:`stop`: refresh the claims held, publish this worker's report
@@ -222,19 +203,16 @@ class CaptureRuntime:
         dead worker's messages."""
 
         def beat() -> None:
-            with self._lock:
-                claims = list(self._claims)
-                inflight = {d: n for d, n in self.inflight.items() if n}
             report = {"hostname": self.hostname, "kind": "capture", "backend": "vllm", "endpoint": self.client.endpoint,
                       "datasets": sorted(datasets), "queues": [rk.capture_queue(d) for d in sorted(datasets)],
-                      "inflight": inflight, "slots": slots, "paused": None, "pid": os.getpid(), "at": time.time()}
+                      "inflight": self.claims.running(), "slots": slots, "paused": None, "pid": os.getpid(),
+                      "at": time.time()}
             try:
                 pipe = self.r.pipeline(transaction=False)
-                for key, token in claims:  # re-created if Redis lost it, never taken from another holder
-                    self._refresh(keys=[key], args=[token, CLAIM_TTL_S], client=pipe)
-                pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
-                pipe.execute()
-                restored = self.recovery.maybe_sweep(self.token, HEARTBEAT_S)
+                with self.claims.refreshing(pipe):
+                    pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
+                    pipe.execute()
+                restored = self.recovery.maybe_sweep(self.claims.token, HEARTBEAT_S)
             except redis.RedisError as exc:
                 log.warning("heartbeat to Redis failed: %s", exc)
                 return

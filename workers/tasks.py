@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from kombu.exceptions import OperationalError
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
+from draftfleet.claims import CLAIM_TTL_S, HEARTBEAT_S, Claims
 from draftfleet.conversation import conversation_record, history, runs
 from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
@@ -41,23 +41,11 @@ from draftfleet.workers.engine import EngineClient, ServerDown
 
 log = logging.getLogger("draftfleet.worker")
 
-# A claim outlives a dead holder by at most CLAIM_TTL_S, then recovery.py gives its messages back;
-# the heartbeat refreshes claims six times a TTL. DRAFTFLEET_CLAIM_TTL_S shortens it (fault tests).
-CLAIM_TTL_S = max(6, int(os.environ.get("DRAFTFLEET_CLAIM_TTL_S", "120")))
-HEARTBEAT_S = CLAIM_TTL_S / 6
 ASSIGNMENT_POLL_S = 1.0
 ADMISSION_WAIT_S = 1.0
 IDLE_QUEUE = rk.QUEUE_PREFIX + "_idle"
 STORE_ATTEMPTS = 8
 INFRA_RETRY_S = 5.0
-
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-_REFRESH = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-return 1
-"""
 
 
 class Runtime:
@@ -75,13 +63,10 @@ class Runtime:
         self.hostname = hostname
         self.datasets = datasets
         self.pause_s = pause_s
-        self.token = f"{hostname}:{os.getpid()}"
-        self._release = r.register_script(_RELEASE)
-        self._refresh = r.register_script(_REFRESH)
+        self.claims = Claims(r, hostname)
+        self.inflight = self.claims.inflight
         self.recovery = Recovery(r, grace_s=CLAIM_TTL_S)
         self._lock = threading.Lock()
-        self._claims: set[tuple[str, str]] = set()  # (claim key, the holding task's token)
-        self.inflight: dict[str, int] = {}
         self.paused: str | None = None
         self._stop = threading.Event()
         self.follow_all = follow_all  # started without --dataset: follows every dataset enqueued
@@ -121,24 +106,10 @@ class Runtime:
     # -- claims and heartbeat --------------------------------------------------------------
     def acquire(self, task: PromptTask) -> str | None:
         """Claim the task's key; returns the claim's token (one per task), None if a twin holds it."""
-        key = rk.claim(task.dataset, task.key)
-        token = f"{self.token}:{secrets.token_hex(6)}"
-        if not self.r.set(key, token, nx=True, ex=CLAIM_TTL_S):
-            return None
-        with self._lock:
-            self._claims.add((key, token))
-            self.inflight[task.dataset] = self.inflight.get(task.dataset, 0) + 1
-        return token
+        return self.claims.acquire(rk.claim(task.dataset, task.key), task.dataset)
 
     def release(self, task: PromptTask, token: str) -> None:
-        key = rk.claim(task.dataset, task.key)
-        with self._lock:
-            self._claims.discard((key, token))
-            self.inflight[task.dataset] -= 1
-        try:
-            self._release(keys=[key], args=[token])
-        except redis.RedisError:
-            pass  # the claim expires on its own
+        self.claims.release(rk.claim(task.dataset, task.key), task.dataset, token)
 
     def _beat(self) -> None:
         """A heartbeat every HEARTBEAT_S, and at once when Redis lost its state (``rk.STATE`` gone), so
@@ -155,46 +126,29 @@ class Runtime:
 
     def heartbeat(self) -> None:
         """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""
-        with self._lock:
-            claims = list(self._claims)
-            inflight = {d: n for d, n in self.inflight.items() if n}
+        report = {
+            "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
+            "endpoint": self.backend.endpoint,
+            "datasets": sorted(self.allowed), "queues": sorted(self.consuming), "inflight": self.claims.running(),
+            "slots": self.backend.concurrency,
+            "paused": self.paused, "pid": os.getpid(), "at": time.time(),
+        }
         try:
             pipe = self.r.pipeline(transaction=False)
-            for key, token in claims:  # re-created if Redis lost it, never taken from another holder
-                self._refresh(keys=[key], args=[token, CLAIM_TTL_S], client=pipe)
-            pipe.set(rk.STATE, 1)  # after the claims: once it is back, so are they (queues.await_lost_claims)
-            report = {
-                "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
-                "endpoint": self.backend.endpoint,
-                "datasets": sorted(self.allowed), "queues": sorted(self.consuming), "inflight": inflight,
-                "slots": self.backend.concurrency,
-                "paused": self.paused, "pid": os.getpid(), "at": time.time(),
-            }
-            pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
-            pipe.execute()
+            with self.claims.refreshing(pipe):
+                pipe.set(rk.STATE, 1)  # after the claims: once it is back, so are they (queues.await_lost_claims)
+                pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
+                pipe.execute()
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
             return
-        finally:
-            self._drop_released(claims)
         try:
-            restored = self.recovery.maybe_sweep(self.token, HEARTBEAT_S)
+            restored = self.recovery.maybe_sweep(self.claims.token, HEARTBEAT_S)
         except redis.RedisError as exc:
             log.warning("looking for a dead worker's messages failed: %s", exc)
             return
         if restored:
             log.warning("gave %d message(s) held by no live worker back to their queues", restored)
-
-    def _drop_released(self, claims: list[tuple[str, str]]) -> None:
-        """A task that released its claim between the beat's list and its refresh had it created
-        again (held from every worker for CLAIM_TTL_S): delete it once more, by its token."""
-        with self._lock:
-            released = [c for c in claims if c not in self._claims]
-        for key, token in released:
-            try:
-                self._release(keys=[key], args=[token])
-            except redis.RedisError:
-                return  # they expire on their own
 
     def start(self) -> None:
         self.heartbeat()

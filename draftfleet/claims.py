@@ -1,0 +1,89 @@
+"""Claims: which task, in which worker, runs a unit of work now.
+
+A task claims its unit (a generation key, a capture unit) with ``SET NX`` and a TTL, under a
+token of its own, ``<hostname>:<pid>:<random>`` (``rk.claim_holder`` reads the worker from it;
+two copies of a unit in one process hold distinct tokens). The worker's heartbeat refreshes
+every claim it holds: a refresh re-creates a claim Redis lost, but never takes one that another
+holder has taken since; a claim released while the beat ran is deleted again, so it does not
+hold the unit from every worker for a TTL. A release deletes the claim only under its own token.
+A dead worker's claims lapse after at most ``CLAIM_TTL_S``; ``recovery.py`` then gives its
+messages back to their queues.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
+
+# The heartbeat refreshes claims six times a TTL. DRAFTFLEET_CLAIM_TTL_S shortens it (fault tests).
+CLAIM_TTL_S = max(6, int(os.environ.get("DRAFTFLEET_CLAIM_TTL_S", "120")))
+HEARTBEAT_S = CLAIM_TTL_S / 6
+
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+_REFRESH = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+
+
+class Claims:
+    """The claims one worker process holds, and how many of its tasks run per dataset."""
+
+    def __init__(self, r: redis.Redis, hostname: str):
+        self.r = r
+        self.token = f"{hostname}:{os.getpid()}"  # the process's; each claim adds a random part
+        self._refresh = r.register_script(_REFRESH)
+        self._release = r.register_script(_RELEASE)
+        self._lock = threading.Lock()
+        self._held: set[tuple[str, str]] = set()  # (claim key, the holding task's token)
+        self.inflight: dict[str, int] = {}  # dataset -> tasks holding a claim
+
+    def acquire(self, key: str, dataset: str) -> str | None:
+        """Claim ``key`` for one task of ``dataset``: its token, or None when another task holds it."""
+        token = f"{self.token}:{secrets.token_hex(6)}"
+        if not self.r.set(key, token, nx=True, ex=CLAIM_TTL_S):
+            return None
+        with self._lock:
+            self._held.add((key, token))
+            self.inflight[dataset] = self.inflight.get(dataset, 0) + 1
+        return token
+
+    def release(self, key: str, dataset: str, token: str) -> None:
+        with self._lock:
+            self._held.discard((key, token))
+            self.inflight[dataset] -= 1
+        self._delete([(key, token)])
+
+    def running(self) -> dict[str, int]:
+        """The datasets with tasks running now, and how many (a worker report's ``inflight``)."""
+        with self._lock:
+            return {d: n for d, n in self.inflight.items() if n}
+
+    @contextmanager
+    def refreshing(self, pipe) -> Iterator[None]:
+        """Queue on ``pipe`` the refresh of every claim held (the caller executes it inside the
+        block); on leaving, delete again the claims released meanwhile, which it re-created."""
+        with self._lock:
+            claims = list(self._held)
+        try:
+            for key, token in claims:  # re-created if Redis lost it, never taken from another holder
+                self._refresh(keys=[key], args=[token, CLAIM_TTL_S], client=pipe)
+            yield
+        finally:
+            with self._lock:
+                released = [c for c in claims if c not in self._held]
+            self._delete(released)
+
+    def _delete(self, claims: list[tuple[str, str]]) -> None:
+        for key, token in claims:
+            try:
+                self._release(keys=[key], args=[token])
+            except redis.RedisError:
+                return  # they expire on their own
