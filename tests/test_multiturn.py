@@ -206,11 +206,11 @@ def test_completed_turns_survive_a_killed_worker(tmp_path, redis_server, tokeniz
     _enqueue(config, redis_server.url)
     store = Store(load_config(config).fleet.store)
     progress = store.root / "_progress" / "ds"
-    wait_until(lambda: len(list(progress.glob("*.json"))) >= 3, 60, 0.05, workers.logs())
+    wait_until(lambda: len(list(progress.glob("[!.]*.json"))) >= 3, 60, 0.05, workers.logs())
     gpu.send_signal(signal.SIGKILL)
     gpu.wait()
     killed_at = time.time()
-    kept = {p.stem: store.progress("ds", p.stem) for p in progress.glob("*.json")}
+    kept = {p.stem: store.progress("ds", p.stem) for p in progress.glob("[!.]*.json")}
     kept = {k: v for k, v in kept.items() if v is not None}
     requests_at_kill = emu.stats()["by_endpoint"].get("/generate", 0)
     env = {"REDIS_URL": redis_server.url}
