@@ -40,7 +40,7 @@ from draftfleet.conversation import record_turns
 from draftfleet.export import tokens
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import CaptureManifest, ResponseRecord
-from draftfleet.store import Store, StoreError, _fsync_dir, _why, _write_temp, check_key, check_name
+from draftfleet.store import Store, check_key, check_name, write_once
 from draftfleet.tokenizer import TargetTokenizer
 
 HIDDEN_DIR = "_hidden"
@@ -245,33 +245,12 @@ class HiddenStore:
         return _manifest_decoder.decode(p.read_bytes()) if p.exists() else None
 
     def write_manifest(self, m: CaptureManifest) -> None:
-        folder = self.version_dir(m.dataset, m.version)
-        final = folder / MANIFEST
-        tmp = _write_temp(folder, msgspec.json.format(msgspec.json.encode(m)))
-        try:
-            os.link(tmp, final)  # the first manifest of a version stays: settings never change under files
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
+        # The first manifest of a version stays: settings never change under its files.
+        write_once(self.version_dir(m.dataset, m.version) / MANIFEST, msgspec.json.format(msgspec.json.encode(m)))
 
     def put(self, dataset: str, version: int, key: str, turn: int, data: bytes) -> bool:
         """Write the unit's file once. True if this call stored it, False if it was there already."""
-        final = self.path(dataset, version, key, turn)
-        if os.path.lexists(final):
-            return False
-        try:
-            tmp = _write_temp(final.parent, data)
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                return False
-            finally:
-                os.unlink(tmp)
-            _fsync_dir(final.parent)
-        except OSError as exc:
-            raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
-        return True
+        return write_once(self.path(dataset, version, key, turn), data)
 
     def files(self, dataset: str, version: int) -> Iterator[tuple[str, int, str]]:
         """(key, turn, path) of every stored file of a version, unsorted."""

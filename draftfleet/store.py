@@ -91,6 +91,27 @@ def _write_temp(folder: Path, data: bytes) -> str:
     return tmp
 
 
+def write_once(final: Path, data: bytes) -> bool:
+    """Write ``data`` at ``final`` unless something is there: True if this call wrote it.
+
+    Atomic and write-once on any POSIX file system, NFS included: the data goes to a temp file
+    in the same folder, then ``link`` (which fails when the target exists) gives it its name."""
+    if os.path.lexists(final):
+        return False
+    try:
+        tmp = _write_temp(final.parent, data)
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        _fsync_dir(final.parent)
+    except OSError as exc:
+        raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
+    return True
+
+
 class Store:
     """Object-keyed files under ``root``; safe to share between machines over NFS."""
 
@@ -137,20 +158,8 @@ class Store:
         """Write ``record`` once. True if this call stored it, False if the key already had one.
 
         Storing a result clears the key's failure record: the prompt is finished."""
-        final = self.path(record.dataset, record.key)
-        if os.path.lexists(final):
+        if not write_once(self.path(record.dataset, record.key), _encoder.encode(record)):
             return False
-        try:
-            tmp = _write_temp(final.parent, _encoder.encode(record))
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                return False
-            finally:
-                os.unlink(tmp)
-            _fsync_dir(final.parent)
-        except OSError as exc:
-            raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
         self.clear_failure(record.dataset, record.key)
         return True
 
