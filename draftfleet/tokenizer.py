@@ -19,8 +19,11 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Literal
+
+import jinja2
 
 from draftfleet.schemas.config import FleetSection
 from draftfleet.schemas.records import Message
@@ -46,6 +49,23 @@ class TokenizerError(RuntimeError):
 
 class TemplateError(TokenizerError):
     """The chat template cannot place any answer as configured: a setting must change, not the prompt."""
+
+
+class MessagesRefused(TokenizerError):
+    """The chat template refuses these messages (its ``raise_exception``, e.g. roles that do not
+    alternate): this prompt's problem, like any other :class:`TokenizerError`, not a setting's."""
+
+
+@contextmanager
+def _refusals(path: str) -> Iterator[None]:
+    """jinja2's errors from a template render as the tokenizer's own, which every caller handles:
+    a template that does not parse is a setting's problem, any other error these messages'."""
+    try:
+        yield
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(f"the chat template of {path!r} does not parse: {exc}") from None
+    except jinja2.TemplateError as exc:
+        raise MessagesRefused(f"the chat template of {path!r} refuses these messages: {exc}") from None
 
 
 def _ids(encoded) -> list[int]:
@@ -210,7 +230,7 @@ class TargetTokenizer:
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         """The chat template's text; the flag is always passed (Kimi's default adds the prompt)."""
-        with self._lock:
+        with self._lock, _refusals(self.path):
             return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def prompt_text(self, messages: Sequence[Message]) -> str:
@@ -218,7 +238,7 @@ class TargetTokenizer:
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The exact ids SGLang receives: the chat template with the generation prompt."""
-        with self._lock:
+        with self._lock, _refusals(self.path):
             return _ids(self._tok.apply_chat_template(self._dicts(messages), tokenize=True, add_generation_prompt=True))
 
     def encode_text(self, text: str) -> list[int]:

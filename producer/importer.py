@@ -14,8 +14,8 @@ file only (a FIFO is a clear error, not a hang), one line at a time, a line over
 ``IMPORT_LINE_BYTES`` quarantined with its length and sha256, never held whole.
 
 The target tokenizer re-tokenizes text-only lines. When it cannot for one line (the template
-renders that prompt differently once an answer follows it, the text holds what it parses as a
-special token), the line is quarantined as ``retokenize`` with the tokenizer's reason and the import
+renders that prompt differently once an answer follows it, or refuses its messages with
+``raise_exception``; the text holds what it parses as a special token), the line is quarantined as ``retokenize`` with the tokenizer's reason and the import
 goes on. When the chat template cannot place any answer as configured (``TemplateError``: a
 setting such as ``[fleet].end_of_turn`` or ``[fleet].reasoning_markers`` must change), every
 such line would fail alike: the import stops there with a one-line error naming the line; what

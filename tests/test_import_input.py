@@ -160,3 +160,52 @@ def test_a_template_that_places_no_reasoning_stops_the_import_with_one_line(tmp_
     assert res.returncode == 0, res.stderr
     summary = msgspec.json.decode(res.stdout)
     assert (summary["imported"], summary["already_present"], summary["rejected"]) == (2, 1, 1)
+
+
+# The quirk template, refusing (``raise_exception``, as templates that check role order do) any
+# message that says so.
+REFUSING_TEMPLATE = ("{%- for m in messages if '[refuse]' in m['content'] -%}"
+                     "{{- raise_exception('this template refuses: ' + m['content']) -}}{%- endfor -%}" + QUIRK_TEMPLATE)
+
+
+def test_messages_the_chat_template_refuses_are_that_line_s_problem_everywhere(tmp_path, tmp_path_factory):
+    """jinja2's error from ``raise_exception`` comes out as the tokenizer's own: the import
+    quarantines the line and goes on, an engine worker fails the prompt without a request."""
+    from draftfleet.schemas.config import SGLangBackend
+    from draftfleet.schemas.records import Message, PromptTask
+    from draftfleet.tokenizer import MessagesRefused, TokenizerError
+    from draftfleet.workers.backends import Permanent
+    from draftfleet.workers.sglang import SGLangClient
+
+    added = {"<|endoftext|>": True, "<|im_start|>": True, "<|im_end|>": True}
+    tok = TargetTokenizer(str(build_fast_chat(tmp_path_factory.mktemp("refusing"), REFUSING_TEMPLATE, added,
+                                              eos="<|im_end|>")))
+    refused = [Message(role="user", content="prompt 1 [refuse]")]
+    with pytest.raises(MessagesRefused, match="this template refuses: prompt 1 \\[refuse\\]") as info:
+        tok.prompt_ids(refused)
+    assert isinstance(info.value, TokenizerError) and not isinstance(info.value, TemplateError)
+
+    ids = tok.encode_text("fine") + [tok.eot_id]
+    raw = write_jsonl(tmp_path / "raw.jsonl", [
+        {"messages": _msgs(0), "output": "an answer"},
+        {"messages": _msgs(1, " [refuse]"), "output": "an answer"},  # re-tokenizing renders the template
+        {"messages": _msgs(2, " [refuse]"), "output_ids": ids},      # counting its prompt tokens does too
+        {"messages": _msgs(3), "output_ids": ids},
+    ])
+    ds, manifest, store = _setup(tmp_path)
+    summary = import_file(raw, ds, manifest, store, tok)
+    assert (summary.imported, summary.rejected_by_kind) == (2, {"retokenize": 2})
+    assert sorted(r.source for r in store.records("ds")) == ["raw.jsonl:1", "raw.jsonl:4"]
+    entries = _quarantined(store)
+    assert [(e.line, e.kind) for e in entries] == [(2, "retokenize"), (3, "retokenize")]
+    assert all("this template refuses: prompt" in e.message for e in entries)
+
+    settings = ds.settings("test/chatml")
+    client = SGLangClient("http://127.0.0.1:9", SGLangBackend(), tok, inflight=1)  # nothing listens: no request made
+    try:
+        with pytest.raises(Permanent, match="this template refuses") as failed:
+            client.generate(PromptTask(key="c" * 64, dataset="ds", source="f:1", messages=refused, settings=settings,
+                                       settings_id=settings_id(settings), enqueued_at=0.0))
+        assert failed.value.reason == "chat_template"
+    finally:
+        client.close()

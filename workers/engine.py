@@ -22,7 +22,7 @@ from draftfleet.broker import redact
 from draftfleet.http import make_client
 from draftfleet.schemas.config import ConfigError, Engine, EngineBackend
 from draftfleet.schemas.records import PromptTask, Usage
-from draftfleet.tokenizer import TargetTokenizer
+from draftfleet.tokenizer import TargetTokenizer, TemplateError, TokenizerError
 from draftfleet.workers.backends import Generation, Halt, Permanent, Transient, parse_retry_after
 
 _decode = msgspec.json.decode
@@ -149,6 +149,16 @@ class EngineClient:
             return self.client.get(self.auth_probe_path, timeout=self.health_timeout_s).status_code not in (401, 403)
         except httpx.HTTPError:
             return False
+
+    def prompt_ids(self, task: PromptTask) -> list[int]:
+        """The ids the engine receives. Messages the chat template refuses fail this prompt; a
+        template that does not parse pauses the worker (every prompt would fail alike)."""
+        try:
+            return self.tokenizer.prompt_ids(task.messages)
+        except TemplateError as exc:
+            raise Halt("chat_template", str(exc)) from None
+        except TokenizerError as exc:
+            raise Permanent("chat_template", str(exc)) from None
 
     def exact(self, task: PromptTask, prompt_ids: list[int], ids: list[int], finish: str, *, prompt_tokens: int,
               completion_tokens: int, cached_tokens: int) -> Generation:  # fmt: skip

@@ -50,7 +50,7 @@ class SGLangClient(EngineClient):
 
     def generate(self, task: PromptTask) -> Generation:
         s = task.settings
-        input_ids = self.tokenizer.prompt_ids(task.messages)
+        input_ids = self.prompt_ids(task)
         body = {
             "input_ids": input_ids,
             "sampling_params": {

@@ -47,7 +47,7 @@ class VLLMClient(EngineClient):
 
     def generate(self, task: PromptTask) -> Generation:
         s = task.settings
-        input_ids = self.tokenizer.prompt_ids(task.messages)
+        input_ids = self.prompt_ids(task)
         body: dict = {
             "prompt": input_ids,
             "max_tokens": s.max_tokens,
