@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import time
 
-from draftfleet.schemas.records import Message, PromptTask, ResponseRecord, Turn, Usage
+from draftfleet.schemas.records import Answer, Message, PromptTask, ResponseRecord, Turn, Usage
 
 
 def runs(messages: Sequence[Message]) -> list[list[Message]]:
@@ -47,14 +47,7 @@ def record_turns(rec: ResponseRecord) -> list[Turn]:
     """A record's turns; a single-turn record's answer as one turn (its prompt ids not kept: [])."""
     if rec.turns:
         return list(rec.turns)
-    return [Turn(
-        prompt_ids=[], output_ids=rec.output_ids, text=rec.text, reasoning=rec.reasoning,
-        finish_reason=rec.finish_reason, truncated=rec.truncated, prompt_tokens=rec.prompt_tokens,
-        completion_tokens=rec.completion_tokens, backend=rec.backend, backend_kind=rec.backend_kind, model=rec.model,
-        token_source=rec.token_source, usage=rec.usage, cost_usd=rec.cost_usd, cost_source=rec.cost_source,
-        latency_s=rec.latency_s, attempts=rec.attempts, worker=rec.worker, created_at=rec.created_at,
-        retry_reasons=rec.retry_reasons,
-    )]
+    return [Turn(prompt_ids=[], **{f: getattr(rec, f) for f in Answer.__struct_fields__})]
 
 
 def _total(values: list[float | None]) -> float | None:

@@ -74,15 +74,15 @@ class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
     is_byok: bool | None = None
 
 
-class Turn(msgspec.Struct, frozen=True, kw_only=True):
-    """One regenerated assistant turn of a conversation (datasets with ``turns = "all"``).
+class Answer(msgspec.Struct, frozen=True, kw_only=True):
+    """An answer and what it took: the fields a :class:`Turn` and a :class:`ResponseRecord` share.
 
-    ``prompt_ids`` are the target template's render of the conversation so far with the fleet's
-    own earlier answers (what an engine received); ``output_ids`` as in :class:`ResponseRecord`.
-    Each turn keeps the backend that made it: a conversation may move between workers.
+    ``output_ids`` run through the end-of-turn token when the generation stopped; for ``exact``
+    answers they are the engine's own ids, for ``retokenized`` ones the target tokenizer's encoding
+    of the returned text. A thinking model's reasoning is in ``reasoning``, its answer in ``text``,
+    for both kinds.
     """
 
-    prompt_ids: list[int]
     output_ids: list[int]
     text: str
     reasoning: str | None = None
@@ -104,6 +104,17 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     retry_reasons: list[str] = []
 
 
+class Turn(Answer, frozen=True, kw_only=True):
+    """One regenerated assistant turn of a conversation (datasets with ``turns = "all"``).
+
+    ``prompt_ids`` are the target template's render of the conversation so far with the fleet's
+    own earlier answers (what an engine received). Each turn keeps the backend that made it: a
+    conversation may move between workers.
+    """
+
+    prompt_ids: list[int]
+
+
 class TurnProgress(msgspec.Struct, frozen=True, kw_only=True):
     """The completed turns of a conversation still being generated, kept in the store so that a
     worker's death or a retry never pays for a completed turn twice."""
@@ -114,13 +125,10 @@ class TurnProgress(msgspec.Struct, frozen=True, kw_only=True):
     turns: list[Turn]
 
 
-class ResponseRecord(msgspec.Struct, frozen=True, kw_only=True):
+class ResponseRecord(Answer, frozen=True, kw_only=True):
     """The one stored result of a prompt: ``<store>/<dataset>/<key[:2]>/<key>.json``.
 
-    ``output_ids`` run through the end-of-turn token when the generation stopped; for
-    ``exact`` records they are SGLang's own ids, for ``retokenized`` ones the target tokenizer's
-    encoding of the returned text. A thinking model's reasoning is in ``reasoning``, its answer in
-    ``text``, for both kinds. ``completion_tokens`` is ``len(output_ids)``.
+    Its :class:`Answer` fields are the prompt's answer; ``completion_tokens`` is ``len(output_ids)``.
 
     A conversation (``turns`` non-empty) holds every regenerated turn; the top-level answer
     fields are its last turn's, and the counts, cost, usage and attempts are the sums over its
@@ -135,25 +143,6 @@ class ResponseRecord(msgspec.Struct, frozen=True, kw_only=True):
     settings_id: str
     messages: list[Message]
     system_prompt_used: bool
-    text: str
-    reasoning: str | None = None
-    output_ids: list[int]
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    truncated: bool
-    backend: str
-    backend_kind: BackendKind
-    model: str
-    token_source: TokenSource
-    usage: Usage
-    cost_usd: float
-    cost_source: Literal["provider", "price_table", "none"]
-    latency_s: float
-    attempts: int
-    worker: str
-    created_at: float
-    retry_reasons: list[str] = []
     row_id: str | None = None  # the row's own id in the dataset
     turns: list[Turn] = []
 
