@@ -43,11 +43,24 @@ def history(messages: Sequence[Message], done: Sequence[Turn]) -> list[Message]:
     return out
 
 
+def answer_of(a: Answer) -> dict:
+    """The :class:`Answer` fields of a turn or a record, to build the other from."""
+    return {f: getattr(a, f) for f in Answer.__struct_fields__}
+
+
+def single_record(task: PromptTask, turn: Turn) -> ResponseRecord:
+    """The stored record of a single-turn prompt: the turn's answer (its prompt ids not kept)."""
+    return ResponseRecord(
+        key=task.key, dataset=task.dataset, source=task.source, settings_id=task.settings_id, messages=task.messages,
+        system_prompt_used=any(m.role == "system" for m in task.messages), row_id=task.row_id, **answer_of(turn),
+    )
+
+
 def record_turns(rec: ResponseRecord) -> list[Turn]:
     """A record's turns; a single-turn record's answer as one turn (its prompt ids not kept: [])."""
     if rec.turns:
         return list(rec.turns)
-    return [Turn(prompt_ids=[], **{f: getattr(rec, f) for f in Answer.__struct_fields__})]
+    return [Turn(prompt_ids=[], **answer_of(rec))]
 
 
 def _total(values: list[float | None]) -> float | None:

@@ -28,7 +28,7 @@ from kombu.exceptions import OperationalError
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
 from draftfleet.claims import CLAIM_TTL_S, HEARTBEAT_S, Claims
-from draftfleet.conversation import conversation_record, history, runs
+from draftfleet.conversation import conversation_record, history, runs, single_record
 from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
 from draftfleet.recovery import Recovery
@@ -441,6 +441,18 @@ def _progress(rt: Runtime, task: PromptTask) -> list[Turn]:
     return list(kept.turns) if kept is not None else []
 
 
+def _turn(rt: Runtime, gen: Generation, attempts: int, latency: float, reasons: list[str]) -> Turn:
+    """One generated answer as this worker stores it (a conversation's turn, or a prompt's answer)."""
+    return Turn(
+        prompt_ids=gen.prompt_ids, output_ids=gen.output_ids, text=gen.text, reasoning=gen.reasoning,
+        finish_reason=gen.finish_reason, truncated=gen.truncated, prompt_tokens=gen.prompt_tokens,
+        completion_tokens=len(gen.output_ids), backend=rt.backend.name, backend_kind=rt.backend.kind,
+        model=gen.model, token_source=gen.token_source, usage=gen.usage, cost_usd=gen.cost_usd,
+        cost_source=gen.cost_source, latency_s=round(latency, 4), attempts=attempts, worker=rt.hostname,
+        created_at=time.time(), retry_reasons=reasons,
+    )
+
+
 def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: float) -> ResponseRecord | None:
     """Answer a conversation's user turns in order, each asked with the history of the fleet's own
     answers (``draftfleet.conversation``); None if a turn failed.
@@ -480,14 +492,7 @@ def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: f
             rt.ledger.prepay(task.dataset, task.key, len(done), rt.backend.name, gen.cost_usd)
         except redis.RedisError as exc:  # left unmarked, the turn is added when its record is counted
             log.warning("%s %s: turn %d not added to the spend yet: %s", task.dataset, task.source, len(done) + 1, exc)
-        done.append(Turn(
-            prompt_ids=gen.prompt_ids, output_ids=gen.output_ids, text=gen.text, reasoning=gen.reasoning,
-            finish_reason=gen.finish_reason, truncated=gen.truncated, prompt_tokens=gen.prompt_tokens,
-            completion_tokens=len(gen.output_ids), backend=rt.backend.name, backend_kind=rt.backend.kind,
-            model=gen.model, token_source=gen.token_source, usage=gen.usage, cost_usd=gen.cost_usd,
-            cost_source=gen.cost_source, latency_s=round(latency, 4), attempts=attempts, worker=rt.hostname,
-            created_at=time.time(), retry_reasons=reasons,
-        ))
+        done.append(_turn(rt, gen, attempts, latency, reasons))
         if len(done) < len(parts) and not gen.truncated:
             rt.store.put_progress(TurnProgress(key=task.key, dataset=task.dataset, turns=done))
     return conversation_record(task, done, rt.hostname)
@@ -530,15 +535,7 @@ def execute(task_self, payload: object) -> str:
             gen, attempts, latency = _generate(rt, task, reasons)
             if gen is None:
                 return "failed"
-            record = ResponseRecord(
-                key=task.key, dataset=task.dataset, source=task.source, settings_id=task.settings_id,
-                messages=task.messages, system_prompt_used=any(m.role == "system" for m in task.messages),
-                text=gen.text, reasoning=gen.reasoning, output_ids=gen.output_ids, prompt_tokens=gen.prompt_tokens,
-                completion_tokens=len(gen.output_ids), finish_reason=gen.finish_reason, truncated=gen.truncated,
-                backend=rt.backend.name, backend_kind=rt.backend.kind, model=gen.model, token_source=gen.token_source,
-                usage=gen.usage, cost_usd=gen.cost_usd, cost_source=gen.cost_source, latency_s=round(latency, 4),
-                attempts=attempts, retry_reasons=reasons, worker=rt.hostname, created_at=time.time(), row_id=task.row_id,
-            )
+            record = single_record(task, _turn(rt, gen, attempts, latency, reasons))
         stored = _store(rt, record)
         if record.turns:
             rt.store.clear_progress(task.dataset, task.key)
