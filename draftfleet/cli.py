@@ -41,21 +41,36 @@ def _worker_flags(args) -> list[str]:
     return flags
 
 
-# -- enqueue -----------------------------------------------------------------------------------
-def cmd_enqueue(args) -> int:
+def _sender(args, cfg):
+    """What queues tasks: the Celery app and the Redis client of the fleet's broker, and its store."""
     from draftfleet.broker import connect, resolve_redis_url
-    from draftfleet.producer.enqueue import EnqueueError, enqueue_dataset
-    from draftfleet.producer.readers import count_rows
     from draftfleet.store import Store
     from draftfleet.workers.app import make_app
 
-    cfg = _config(args)
     url = resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store)
-    app = make_app(url, cfg.fleet.visibility_timeout_s)
-    r = connect(url)
-    store = Store(cfg.fleet.store)
-    names = args.dataset or [d.name for d in cfg.datasets]
-    summaries = []
+    return make_app(url, cfg.fleet.visibility_timeout_s), connect(url), Store(cfg.fleet.store)
+
+
+def _each_dataset(names: list[str], errors: type[Exception], run) -> tuple[list, int]:
+    """``run(name)`` of each dataset: the results, and exit status 1 if one of them raised
+    ``errors`` (printed in one line; the other datasets go on)."""
+    results, status = [], 0
+    for name in names:
+        try:
+            results.append(run(name))
+        except errors as exc:
+            err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+            status = 1
+    return results, status
+
+
+# -- enqueue -----------------------------------------------------------------------------------
+def cmd_enqueue(args) -> int:
+    from draftfleet.producer.enqueue import EnqueueError, enqueue_dataset
+    from draftfleet.producer.readers import count_rows
+
+    cfg = _config(args)
+    app, r, store = _sender(args, cfg)
     shown = 0
 
     def on_reject(rej) -> None:
@@ -66,18 +81,15 @@ def cmd_enqueue(args) -> int:
 
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=err, disable=args.json)
-    status = 0
+
+    def enqueue(name: str):
+        ds = cfg.dataset(name)
+        bar = progress.add_task(f"enqueue {name}", total=count_rows(ds))
+        return enqueue_dataset(cfg, ds, app, r, store, new_version=args.new_version, retry_failed=args.retry_failed,
+                               on_row=lambda: progress.advance(bar), on_reject=on_reject)
+
     with progress:
-        for name in names:
-            ds = cfg.dataset(name)
-            bar = progress.add_task(f"enqueue {name}", total=count_rows(ds))
-            try:
-                summaries.append(enqueue_dataset(cfg, ds, app, r, store, new_version=args.new_version,
-                                                 retry_failed=args.retry_failed,
-                                                 on_row=lambda b=bar: progress.advance(b), on_reject=on_reject))
-            except EnqueueError as exc:
-                err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
-                status = 1
+        summaries, status = _each_dataset(args.dataset or [d.name for d in cfg.datasets], EnqueueError, enqueue)
     import msgspec
 
     if args.json:
@@ -107,23 +119,14 @@ def cmd_enqueue(args) -> int:
 def cmd_capture(args) -> int:
     import msgspec
 
-    from draftfleet.broker import connect, resolve_redis_url
     from draftfleet.hidden import CaptureError
     from draftfleet.producer.capture import queue_capture
-    from draftfleet.store import Store
-    from draftfleet.workers.app import make_app
 
     cfg = _config(args)
-    url = resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store)
-    app, r, store = make_app(url, cfg.fleet.visibility_timeout_s), connect(url), Store(cfg.fleet.store)
-    summaries, status = [], 0
-    for name in args.dataset or [d.name for d in cfg.datasets]:
-        try:
-            summaries.append(queue_capture(cfg, store, app, r, name, new_version=args.new_version,
-                                           ignore_space=args.ignore_space))
-        except CaptureError as exc:
-            err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
-            status = 1
+    app, r, store = _sender(args, cfg)
+    summaries, status = _each_dataset(
+        args.dataset or [d.name for d in cfg.datasets], CaptureError,
+        lambda name: queue_capture(cfg, store, app, r, name, new_version=args.new_version, ignore_space=args.ignore_space))
     if args.json:
         print(msgspec.json.encode(summaries).decode())
         return status

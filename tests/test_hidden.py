@@ -23,7 +23,7 @@ from draftfleet.schemas.config import load_config
 from draftfleet.store import Store
 from draftfleet.workers.app import make_app
 
-from tests.conftest import write_config
+from tests.conftest import run_cli, write_config
 from tests.test_core import _record
 
 
@@ -122,7 +122,16 @@ def test_capture_refuses_more_than_the_free_space(tmp_path, tokenizer_dir, redis
     with pytest.raises(CaptureError, match="--ignore-space"):
         queue_capture(cfg, store, app, r, "ds")
     assert not HiddenStore(store).versions("ds") and not r.llen(rk.capture_queue("ds"))  # nothing started
+    env = {"REDIS_URL": redis_server.url, "COLUMNS": "1000"}
+    res = run_cli("capture", "--config", str(tmp_path / "fleet.toml"), env=env)  # the file _fleet wrote
+    assert res.returncode == 1 and res.stdout == "", res
+    [message] = res.stderr.strip().splitlines()
+    assert message.startswith("error: ") and "--ignore-space" in message, message
     assert queue_capture(cfg, store, app, r, "ds", ignore_space=True).queued == 3
+    res = run_cli("capture", "--config", str(tmp_path / "fleet.toml"), "--ignore-space", "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    [summary] = json.loads(res.stdout)
+    assert (summary["dataset"], summary["queued"], summary["already_queued"]) == ("ds", 0, 3)
 
 
 def test_speculators_layout_links_the_files_and_aligns_the_rows(tmp_path):
