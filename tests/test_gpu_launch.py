@@ -76,6 +76,20 @@ def _config(tmp_path: Path, tokenizer_dir: Path, prompts: int, backends: str) ->
     return config
 
 
+def _fake_sglang_fleet(tmp_path: Path, tokenizer_dir: Path, prompts: int, sglang: str) -> tuple[Path, dict, Path, int]:
+    """A config whose ``[backends.sglang]`` (``sglang``: its settings) launches servers that are the
+    emulator (``FAKE_LAUNCH``), each leaving a mark of its GPU and port: the config, the env a
+    worker needs to launch them, the marks folder and the first port."""
+    site = fake_engines(tmp_path, FAKE_LAUNCH)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    base = _free_pair()
+    config = _config(tmp_path, tokenizer_dir, prompts, f"[backends.sglang]\n{sglang}\n\n[backends.sglang.launch]\n"
+                     f'model_path = "fake/model"\ntp = 1\nport_base = {base}\nstartup_timeout_s = 60.0\n')
+    env = {"PYTHONPATH": f"{site}:{REPO}", "FAKE_SGLANG_DIR": str(marks), "FAKE_TOKENIZER": str(tokenizer_dir)}
+    return config, env, marks, base
+
+
 def _run_on_two_gpus(tmp_path: Path, redis_server, config: Path, env: dict, flags: list[str], prompts: int,
                      ports: tuple[int, int]) -> Store:  # fmt: skip
     """``worker gpu --config C FLAGS`` (two GPU groups): wait for both workers, enqueue, wait for
@@ -103,22 +117,7 @@ def _run_on_two_gpus(tmp_path: Path, redis_server, config: Path, env: dict, flag
 
 
 def test_one_worker_and_server_per_gpu(tmp_path, redis_server, tokenizer_dir):
-    site = fake_engines(tmp_path, FAKE_LAUNCH)
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    base = _free_pair()
-    config = _config(tmp_path, tokenizer_dir, 40, f"""
-        [backends.sglang]
-        inflight = 8
-        request_timeout_s = 30.0
-
-        [backends.sglang.launch]
-        model_path = "fake/model"
-        tp = 1
-        port_base = {base}
-        startup_timeout_s = 60.0
-    """)
-    env = {"PYTHONPATH": f"{site}:{REPO}", "FAKE_SGLANG_DIR": str(marks), "FAKE_TOKENIZER": str(tokenizer_dir)}
+    config, env, marks, base = _fake_sglang_fleet(tmp_path, tokenizer_dir, 40, "inflight = 8\nrequest_timeout_s = 30.0")
     store = _run_on_two_gpus(tmp_path, redis_server, config, env, ["--gpu", "0,1"], 40, (base, base + 1))
     servers = {json.loads(p.read_text())["cuda"]: json.loads(p.read_text()) for p in marks.glob("*.json")}
     assert {k: int(v["port"]) for k, v in servers.items()} == {"0": base, "1": base + 1}

@@ -85,25 +85,10 @@ def test_one_ctrl_c_on_a_multi_gpu_worker_is_one_warm_shutdown_of_each_child(tmp
     import sys
 
     from .conftest import REPO
-    from .test_gpu_launch import FAKE_LAUNCH, _config, _free_pair
-    from .test_launcher import fake_engines
+    from .test_gpu_launch import _fake_sglang_fleet
 
-    site = fake_engines(tmp_path, FAKE_LAUNCH)
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    base = _free_pair()
-    config = _config(tmp_path, tokenizer_dir, 4, f"""
-        [backends.sglang]
-        inflight = 4
-
-        [backends.sglang.launch]
-        model_path = "fake/model"
-        tp = 1
-        port_base = {base}
-        startup_timeout_s = 60.0
-    """)
-    env = {"REDIS_URL": redis_server.url, "PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{REPO}",
-           "FAKE_SGLANG_DIR": str(marks), "FAKE_TOKENIZER": str(tokenizer_dir)}
+    config, launch_env = _fake_sglang_fleet(tmp_path, tokenizer_dir, 4, "inflight = 4")[:2]
+    env = {"REDIS_URL": redis_server.url, "PATH": "/usr/bin:/bin", **launch_env}
     log_path = tmp_path / "workers.log"
     with open(log_path, "wb") as log:
         # its own process group, as a shell runs a job: the test can signal the whole job at once
