@@ -47,7 +47,6 @@ HIDDEN_DIR = "_hidden"
 MANIFEST = "capture.json"
 _FILE_RE = re.compile(r"^([0-9a-f]{64})\.(\d+)\.safetensors$")
 _DTYPES = {"BF16": np.uint16, "I64": np.int64, "F32": np.float32, "I32": np.int32, "F16": np.float16}
-_NAMES = {np.dtype(np.int64): "I64", np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}
 _manifest_decoder = msgspec.json.Decoder(CaptureManifest)
 # Where transformers checkpoints keep the final norm (text models; multimodal ones such as Kimi-K2.5)
 FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
@@ -203,10 +202,6 @@ def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dic
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     return struct.pack("<Q", len(head)) + head + b"".join(chunks)
-
-
-def dtype_name(arr: np.ndarray) -> str:
-    return _NAMES[arr.dtype]
 
 
 # -- the store ------------------------------------------------------------------------------
