@@ -6,19 +6,27 @@ two copies of a unit in one process hold distinct tokens). The worker's heartbea
 every claim it holds: a refresh re-creates a claim Redis lost, but never takes one that another
 holder has taken since; a claim released while the beat ran is deleted again, so it does not
 hold the unit from every worker for a TTL. A release deletes the claim only under its own token.
-A dead worker's claims lapse after at most ``CLAIM_TTL_S``; ``recovery.py`` then gives its
-messages back to their queues.
+A dead worker's claims lapse after at most ``CLAIM_TTL_S``; ``recovery.py``, run by every live
+worker's beat, then gives its messages back to their queues.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import msgspec
 import redis
+
+from draftfleet import redis_keys as rk
+from draftfleet.recovery import Recovery
+
+log = logging.getLogger("draftfleet.worker")
 
 # The heartbeat refreshes claims six times a TTL. DRAFTFLEET_CLAIM_TTL_S shortens it (fault tests).
 CLAIM_TTL_S = max(6, int(os.environ.get("DRAFTFLEET_CLAIM_TTL_S", "120")))
@@ -38,7 +46,9 @@ class Claims:
 
     def __init__(self, r: redis.Redis, hostname: str):
         self.r = r
+        self.hostname = hostname
         self.token = f"{hostname}:{os.getpid()}"  # the process's; each claim adds a random part
+        self.recovery = Recovery(r, grace_s=CLAIM_TTL_S)
         self._refresh = r.register_script(_REFRESH)
         self._release = r.register_script(_RELEASE)
         self._lock = threading.Lock()
@@ -80,6 +90,30 @@ class Claims:
             with self._lock:
                 released = [c for c in claims if c not in self._held]
             self._delete(released)
+
+    def beat(self, report: dict, *, mark_state: bool = False) -> None:
+        """One heartbeat of the worker: refresh its claims, publish its ``report`` with what runs
+        now (``draftfleet status`` reads it; its TTL of three beats drops a killed worker), then
+        give a dead worker's messages back (``recovery.py``). ``mark_state`` sets ``rk.STATE``
+        after the claims: once it is back, so are they (``queues.await_lost_claims``)."""
+        report = {**report, "inflight": self.running(), "pid": os.getpid(), "at": time.time()}
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            with self.refreshing(pipe):
+                if mark_state:
+                    pipe.set(rk.STATE, 1)
+                pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
+                pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("heartbeat to Redis failed: %s", exc)
+            return
+        try:
+            restored = self.recovery.maybe_sweep(self.token, HEARTBEAT_S)
+        except redis.RedisError as exc:
+            log.warning("looking for a dead worker's messages failed: %s", exc)
+            return
+        if restored:
+            log.warning("gave %d message(s) held by no live worker back to their queues", restored)
 
     def _delete(self, claims: list[tuple[str, str]]) -> None:
         for key, token in claims:

@@ -84,7 +84,7 @@ def runtime(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_fa
 
 
 def test_heartbeat_recreates_a_lost_claim_and_never_takes_one_from_its_new_holder(runtime):
-    from draftfleet.workers.tasks import CLAIM_TTL_S
+    from draftfleet.claims import CLAIM_TTL_S
 
     r = runtime.r
     task = runtime.prompt(1)

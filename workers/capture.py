@@ -36,7 +36,7 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
-from draftfleet.claims import CLAIM_TTL_S, HEARTBEAT_S, Claims
+from draftfleet.claims import HEARTBEAT_S, Claims
 from draftfleet.hidden import (CaptureError, HiddenStore, capture_settings, encode_safetensors, read_safetensors,
                                record_units, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
@@ -44,7 +44,6 @@ from draftfleet.schemas.records import CaptureManifest, CaptureTask
 from draftfleet.store import Store, StoreError, check_key, check_name
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
-from draftfleet.recovery import Recovery
 from draftfleet.workers.consumer import dead_letter
 from draftfleet.workers.vllm import VLLMClient
 
@@ -188,7 +187,6 @@ class CaptureRuntime:
         self._manifests: dict[tuple[str, int], CaptureManifest] = {}
         self.claims = Claims(r, hostname)
         self._stop = threading.Event()
-        self.recovery = Recovery(r, grace_s=CLAIM_TTL_S)
 
     def acquire(self, task: CaptureTask) -> str | None:
         """Claim the unit; its token, or None when another copy holds it."""
@@ -203,21 +201,9 @@ class CaptureRuntime:
         dead worker's messages."""
 
         def beat() -> None:
-            report = {"hostname": self.hostname, "kind": "capture", "backend": "vllm", "endpoint": self.client.endpoint,
-                      "datasets": sorted(datasets), "queues": [rk.capture_queue(d) for d in sorted(datasets)],
-                      "inflight": self.claims.running(), "slots": slots, "paused": None, "pid": os.getpid(),
-                      "at": time.time()}
-            try:
-                pipe = self.r.pipeline(transaction=False)
-                with self.claims.refreshing(pipe):
-                    pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
-                    pipe.execute()
-                restored = self.recovery.maybe_sweep(self.claims.token, HEARTBEAT_S)
-            except redis.RedisError as exc:
-                log.warning("heartbeat to Redis failed: %s", exc)
-                return
-            if restored:
-                log.warning("gave %d message(s) held by no live worker back to their queues", restored)
+            self.claims.beat({"hostname": self.hostname, "kind": "capture", "backend": "vllm",
+                              "endpoint": self.client.endpoint, "datasets": sorted(datasets),
+                              "queues": [rk.capture_queue(d) for d in sorted(datasets)], "slots": slots, "paused": None})
 
         def loop() -> None:
             beat()

@@ -14,7 +14,6 @@ or of the store outside its own retries goes back to its queue: it is never ackn
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,11 +26,10 @@ from kombu.exceptions import OperationalError
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
-from draftfleet.claims import CLAIM_TTL_S, HEARTBEAT_S, Claims
+from draftfleet.claims import HEARTBEAT_S, Claims
 from draftfleet.conversation import conversation_record, history, runs, single_record
 from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
-from draftfleet.recovery import Recovery
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import FailureRecord, GenerationSettings, PromptTask, ResponseRecord, Turn, TurnProgress
 from draftfleet.store import Store, StoreError, check_key, check_name
@@ -65,7 +63,6 @@ class Runtime:
         self.pause_s = pause_s
         self.claims = Claims(r, hostname)
         self.inflight = self.claims.inflight
-        self.recovery = Recovery(r, grace_s=CLAIM_TTL_S)
         self._lock = threading.Lock()
         self.paused: str | None = None
         self._stop = threading.Event()
@@ -126,29 +123,11 @@ class Runtime:
 
     def heartbeat(self) -> None:
         """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""
-        report = {
+        self.claims.beat({
             "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
-            "endpoint": self.backend.endpoint,
-            "datasets": sorted(self.allowed), "queues": sorted(self.consuming), "inflight": self.claims.running(),
-            "slots": self.backend.concurrency,
-            "paused": self.paused, "pid": os.getpid(), "at": time.time(),
-        }
-        try:
-            pipe = self.r.pipeline(transaction=False)
-            with self.claims.refreshing(pipe):
-                pipe.set(rk.STATE, 1)  # after the claims: once it is back, so are they (queues.await_lost_claims)
-                pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
-                pipe.execute()
-        except redis.RedisError as exc:
-            log.warning("heartbeat to Redis failed: %s", exc)
-            return
-        try:
-            restored = self.recovery.maybe_sweep(self.claims.token, HEARTBEAT_S)
-        except redis.RedisError as exc:
-            log.warning("looking for a dead worker's messages failed: %s", exc)
-            return
-        if restored:
-            log.warning("gave %d message(s) held by no live worker back to their queues", restored)
+            "endpoint": self.backend.endpoint, "datasets": sorted(self.allowed), "queues": sorted(self.consuming),
+            "slots": self.backend.concurrency, "paused": self.paused,
+        }, mark_state=True)
 
     def start(self) -> None:
         self.heartbeat()
