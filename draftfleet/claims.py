@@ -25,6 +25,7 @@ import redis
 
 from draftfleet import redis_keys as rk
 from draftfleet.recovery import Recovery
+from draftfleet.schemas.records import WorkerReport
 
 log = logging.getLogger("draftfleet.worker")
 
@@ -91,12 +92,12 @@ class Claims:
                 released = [c for c in claims if c not in self._held]
             self._delete(released)
 
-    def beat(self, report: dict, *, mark_state: bool = False) -> None:
+    def beat(self, report: WorkerReport, *, mark_state: bool = False) -> None:
         """One heartbeat of the worker: refresh its claims, publish its ``report`` with what runs
         now (``draftfleet status`` reads it; its TTL of three beats drops a killed worker), then
         give a dead worker's messages back (``recovery.py``). ``mark_state`` sets ``rk.STATE``
         after the claims: once it is back, so are they (``queues.await_lost_claims``)."""
-        report = {**report, "inflight": self.running(), "pid": os.getpid(), "at": time.time()}
+        report = msgspec.structs.replace(report, inflight=self.running(), pid=os.getpid(), at=time.time())
         try:
             pipe = self.r.pipeline(transaction=False)
             with self.refreshing(pipe):

@@ -31,7 +31,7 @@ class DrainResult(msgspec.Struct, kw_only=True):
 
 def claims_by_kind(r: redis.Redis, datasets: list[str]) -> dict[str, int]:
     """How many claims (tasks being generated now) each worker kind holds on these datasets."""
-    kind_of = {w["hostname"]: w["kind"] for w in worker_reports(r)}
+    kind_of = {w.hostname: w.kind for w in worker_reports(r)}
     out = dict.fromkeys(KINDS, 0)
     for ds in datasets:
         keys = list(r.scan_iter(match=rk.claim(ds, "*"), count=1000))

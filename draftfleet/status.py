@@ -23,6 +23,9 @@ from draftfleet.assign import kinds_for, live_budgets
 from draftfleet.ledger import Ledger
 from draftfleet.queues import depth, held
 from draftfleet.schemas.config import FleetConfig
+from draftfleet.schemas.records import WorkerReport
+
+_report_decoder = msgspec.json.Decoder(WorkerReport)
 
 
 class WorkerRow(msgspec.Struct, kw_only=True):
@@ -93,10 +96,10 @@ class Snapshot(msgspec.Struct, kw_only=True):
     capture: list[CaptureRow] = []
 
 
-def worker_reports(r: redis.Redis) -> list[dict]:
+def worker_reports(r: redis.Redis) -> list[WorkerReport]:
     keys = list(r.scan_iter(match=rk.worker_report("*"), count=500))
     values = r.mget(keys) if keys else []
-    return [msgspec.json.decode(v) for v in values if v]
+    return [_report_decoder.decode(v) for v in values if v]
 
 
 def eta_s(*, closed: bool, prompts_left: int, remaining_tokens: int | None, mean_tokens: float | None,
@@ -124,19 +127,18 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
             cfg.dataset(n)  # the error names the datasets there are
     chosen = [(n, live[n]) for n in (datasets or live)]
     if datasets:
-        reports = [w for w in reports if not w.get("datasets") or set(w["datasets"]) & set(datasets)]
+        reports = [w for w in reports if not w.datasets or set(w.datasets) & set(datasets)]
     workers = [
-        WorkerRow(hostname=w["hostname"], kind=w["kind"], backend=w["backend"], endpoint=w.get("endpoint", ""),
-                  datasets=w.get("datasets", []),
-                  inflight=sum(w.get("inflight", {}).values()), slots=w.get("slots", 0), paused=w.get("paused"),
-                  waiting=w.get("waiting"), age_s=round(now - w.get("at", now), 1))
-        for w in sorted(reports, key=lambda w: (w["kind"], w["hostname"]))
+        WorkerRow(hostname=w.hostname, kind=w.kind, backend=w.backend, endpoint=w.endpoint, datasets=w.datasets,
+                  inflight=sum(w.inflight.values()), slots=w.slots, paused=w.paused, waiting=w.waiting,
+                  age_s=round(now - (w.at or now), 1))
+        for w in sorted(reports, key=lambda w: (w.kind, w.hostname))
     ]
     rows = []
     all_totals = ledger.all_totals()
     holding = held(r)
     for dataset, budget in chosen:
-        inflight = sum(w.get("inflight", {}).get(dataset, 0) for w in reports)
+        inflight = sum(w.inflight.get(dataset, 0) for w in reports)
         totals = all_totals.get(dataset, {})
         names = sorted(totals)
         rates = ledger.rates(dataset, names, [60, 600], now) if names else {}

@@ -163,6 +163,24 @@ class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):
     task: PromptTask
 
 
+class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a running worker publishes each heartbeat at ``rk.worker_report`` (a TTL of three
+    beats: a killed worker drops out); ``draftfleet status`` and ``pivot`` read it."""
+
+    hostname: str
+    kind: str  # gpu, cloud or capture
+    backend: str
+    endpoint: str = ""
+    datasets: list[str] = []
+    queues: list[str] = []  # consumed now
+    inflight: dict[str, int] = {}  # dataset -> tasks running
+    slots: int = 0
+    paused: str | None = None  # why it stopped consuming
+    waiting: str | None = None  # starting up: waiting for its server (what it waits for)
+    pid: int = 0
+    at: float = 0.0  # when it was published
+
+
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     """A queue message that could not be read as a task (not JSON, wrong schema, too large)."""
 

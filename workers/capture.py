@@ -40,7 +40,7 @@ from draftfleet.claims import HEARTBEAT_S, Claims
 from draftfleet.hidden import (CaptureError, HiddenStore, capture_settings, encode_safetensors, read_safetensors,
                                record_units, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
-from draftfleet.schemas.records import CaptureManifest, CaptureTask
+from draftfleet.schemas.records import CaptureManifest, CaptureTask, WorkerReport
 from draftfleet.store import Store, StoreError, check_key, check_name
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
@@ -201,9 +201,9 @@ class CaptureRuntime:
         dead worker's messages."""
 
         def beat() -> None:
-            self.claims.beat({"hostname": self.hostname, "kind": "capture", "backend": "vllm",
-                              "endpoint": self.client.endpoint, "datasets": sorted(datasets),
-                              "queues": [rk.capture_queue(d) for d in sorted(datasets)], "slots": slots, "paused": None})
+            self.claims.beat(WorkerReport(hostname=self.hostname, kind="capture", backend="vllm",
+                                          endpoint=self.client.endpoint, datasets=sorted(datasets),
+                                          queues=[rk.capture_queue(d) for d in sorted(datasets)], slots=slots))
 
         def loop() -> None:
             beat()

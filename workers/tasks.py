@@ -31,7 +31,8 @@ from draftfleet.conversation import conversation_record, history, runs, single_r
 from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import FailureRecord, GenerationSettings, PromptTask, ResponseRecord, Turn, TurnProgress
+from draftfleet.schemas.records import (FailureRecord, GenerationSettings, PromptTask, ResponseRecord, Turn, TurnProgress,
+                                        WorkerReport)
 from draftfleet.store import Store, StoreError, check_key, check_name
 from draftfleet.workers.backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
@@ -123,11 +124,11 @@ class Runtime:
 
     def heartbeat(self) -> None:
         """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""
-        self.claims.beat({
-            "hostname": self.hostname, "kind": self.backend.kind, "backend": self.backend.name,
-            "endpoint": self.backend.endpoint, "datasets": sorted(self.allowed), "queues": sorted(self.consuming),
-            "slots": self.backend.concurrency, "paused": self.paused,
-        }, mark_state=True)
+        self.claims.beat(WorkerReport(
+            hostname=self.hostname, kind=self.backend.kind, backend=self.backend.name, endpoint=self.backend.endpoint,
+            datasets=sorted(self.allowed), queues=sorted(self.consuming), slots=self.backend.concurrency,
+            paused=self.paused,
+        ), mark_state=True)
 
     def start(self) -> None:
         self.heartbeat()

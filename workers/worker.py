@@ -20,6 +20,7 @@ import redis
 from draftfleet import redis_keys as rk
 from draftfleet.broker import connect, redact, resolve_redis_url
 from draftfleet.schemas.config import ENGINE_LABELS, ConfigError, Engine, FleetConfig
+from draftfleet.schemas.records import WorkerReport
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.app import make_app
@@ -105,9 +106,8 @@ def announce_waiting(r, hostname: str, kind: str, backend: str, endpoint: str, d
     stop = threading.Event()
 
     def publish() -> None:
-        report = {"hostname": hostname, "kind": kind, "backend": backend, "endpoint": endpoint,
-                  "datasets": sorted(datasets), "queues": [], "inflight": {}, "slots": 0, "paused": None,
-                  "waiting": what, "pid": os.getpid(), "at": time.time()}
+        report = WorkerReport(hostname=hostname, kind=kind, backend=backend, endpoint=endpoint,
+                              datasets=sorted(datasets), waiting=what, pid=os.getpid(), at=time.time())
         try:
             r.set(rk.worker_report(hostname), msgspec.json.encode(report), ex=int(3 * every_s))
         except redis.RedisError as exc:
