@@ -41,7 +41,7 @@ from draftfleet.export import tokens
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import CaptureManifest, ResponseRecord
 from draftfleet.store import Store, check_key, check_name, write_once
-from draftfleet.tokenizer import TargetTokenizer
+from draftfleet.tokenizer import TargetTokenizer, TokenizerError
 
 HIDDEN_DIR = "_hidden"
 MANIFEST = "capture.json"
@@ -136,8 +136,12 @@ def record_units(rec: ResponseRecord, tok: TargetTokenizer) -> list[tuple[list[i
     messages, as the GPU worker sent it. An exact record whose render differs in length from the
     prompt the engine counted was made with another tokenizer or template: refused.
     """
+    try:
+        rows = tokens.rows(rec, {}, tok)
+    except TokenizerError as exc:  # the chat template refuses the record's messages
+        raise CaptureError(f"record {rec.key}: {exc}") from None
     units = []
-    for row, turn in zip(tokens.rows(rec, {}, tok), record_turns(rec)):
+    for row, turn in zip(rows, record_turns(rec)):
         ids = row["input_ids"]
         prompt_len = len(ids) - len(turn.output_ids)
         if turn.token_source == "exact" and not turn.prompt_ids and prompt_len != turn.prompt_tokens:

@@ -171,6 +171,7 @@ REFUSING_TEMPLATE = ("{%- for m in messages if '[refuse]' in m['content'] -%}"
 def test_messages_the_chat_template_refuses_are_that_line_s_problem_everywhere(tmp_path, tmp_path_factory):
     """jinja2's error from ``raise_exception`` comes out as the tokenizer's own: the import
     quarantines the line and goes on, an engine worker fails the prompt without a request."""
+    from draftfleet.hidden import CaptureError, record_units
     from draftfleet.schemas.config import SGLangBackend
     from draftfleet.schemas.records import Message, PromptTask
     from draftfleet.tokenizer import MessagesRefused, TokenizerError
@@ -199,6 +200,9 @@ def test_messages_the_chat_template_refuses_are_that_line_s_problem_everywhere(t
     entries = _quarantined(store)
     assert [(e.line, e.kind) for e in entries] == [(2, "retokenize"), (3, "retokenize")]
     assert all("this template refuses: prompt" in e.message for e in entries)
+    [stored] = [rec for rec in store.records("ds") if rec.source == "raw.jsonl:4"]
+    with pytest.raises(CaptureError, match="this template refuses"):  # a capture dead-letters it, with the reason
+        record_units(msgspec.structs.replace(stored, messages=refused), tok)
 
     settings = ds.settings("test/chatml")
     client = SGLangClient("http://127.0.0.1:9", SGLangBackend(), tok, inflight=1)  # nothing listens: no request made
