@@ -28,21 +28,28 @@ _env = msgspec.json.Decoder(_Envelope)
 _unacked = msgspec.json.Decoder(tuple[_Envelope, str, str])
 
 
-def queued_keys(r: redis.Redis, dataset: str, batch: int = 5000) -> set[str]:
-    """Keys of a dataset waiting in its queue or held unacked by some worker."""
-    q = rk.queue(dataset)
-    keys: set[str] = set()
+def waiting_ids(r: redis.Redis, queue: str, batch: int = 5000) -> set[str]:
+    """Task ids of the messages waiting in ``queue`` (not those a worker holds), read in batches."""
+    ids: set[str] = set()
     start = 0
     while True:
-        chunk = r.lrange(q, start, start + batch - 1)
+        chunk = r.lrange(queue, start, start + batch - 1)
         for raw in chunk:
             try:
-                keys.add(_env.decode(raw).headers.id)
+                ids.add(_env.decode(raw).headers.id)
             except msgspec.DecodeError:
                 continue  # a poison message: the worker dead-letters it
         if len(chunk) < batch:
             break
         start += batch
+    ids.discard("")
+    return ids
+
+
+def queued_keys(r: redis.Redis, dataset: str, batch: int = 5000) -> set[str]:
+    """Keys of a dataset waiting in its queue or held unacked by some worker."""
+    q = rk.queue(dataset)
+    keys = waiting_ids(r, q, batch)
     for _tag, raw in r.hscan_iter(rk.UNACKED, count=1000):
         try:
             env, _exchange, routing_key = _unacked.decode(raw)

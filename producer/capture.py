@@ -23,6 +23,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.conversation import record_turns
 from draftfleet.hidden import CaptureError, HiddenStore, bytes_per_token, capture_settings
 from draftfleet.producer.enqueue import PUBLISH_BATCH, TaskSender
+from draftfleet.queues import waiting_ids
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import CaptureManifest, CaptureTask
 from draftfleet.store import Store
@@ -64,17 +65,6 @@ def start_version(hidden: HiddenStore, wanted: CaptureManifest) -> CaptureManife
     return hidden.manifest(wanted.dataset, version)
 
 
-def _waiting(r: redis.Redis, queue: str) -> set[str]:
-    """Task ids of the messages waiting in ``queue`` (not those a worker holds)."""
-    ids = set()
-    for raw in r.lrange(queue, 0, -1):
-        try:
-            ids.add(msgspec.json.decode(raw)["headers"]["id"])
-        except (msgspec.DecodeError, KeyError, TypeError):
-            continue
-    return ids
-
-
 def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, dataset: str, *,
                   new_version: bool = False, ignore_space: bool = False) -> CaptureSummary:
     """Queue the dataset's record turns that lack hidden states; refuse when they will not fit."""
@@ -106,7 +96,7 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
                            "--ignore-space to start anyway")
     m = existing or start_version(hidden, wanted)
     queue = rk.capture_queue(dataset)
-    waiting = _waiting(r, queue)
+    waiting = waiting_ids(r, queue)  # a unit a dead worker held is queued again: harmless (write-once)
     queued = already = 0
     with app.producer_or_acquire() as producer, producer.batch(max_size=PUBLISH_BATCH):
         sender = TaskSender(app, producer, queue, rk.CAPTURE_TASK_NAME)
