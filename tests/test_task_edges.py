@@ -219,7 +219,7 @@ def test_two_copies_of_a_key_in_one_worker_hold_distinct_claims(fleet):
     rt.heartbeat()
     assert fleet.r.get(claim).decode() == b
     rt.release(task, b)
-    assert not fleet.r.exists(claim) and rt.inflight["ds"] == 0
+    assert not fleet.r.exists(claim) and rt.claims.inflight["ds"] == 0
 
 
 # -- the losing twin's cost ------------------------------------------------------------------

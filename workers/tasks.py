@@ -63,7 +63,6 @@ class Runtime:
         self.datasets = datasets
         self.pause_s = pause_s
         self.claims = Claims(r, hostname)
-        self.inflight = self.claims.inflight
         self._lock = threading.Lock()
         self.paused: str | None = None
         self._stop = threading.Event()
