@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 from transformers import AutoTokenizer
@@ -270,6 +271,23 @@ def conversation_worker(tmp_path, redis_server, tokenizer_dir, target_tokenizer,
     backend.close()
 
 
+@contextmanager
+def turn_two_refused(rt, emu, monkeypatch):
+    """Inside: the request right after turn 1 is kept is refused (moderation); after: none is."""
+    real = rt.store.put_progress
+
+    def then_refuse(progress):  # the fault arrives with the next request, right after turn 1 is kept
+        real(progress)
+        emu.update(rate_moderation=1.0)
+
+    monkeypatch.setattr(rt.store, "put_progress", then_refuse)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(rt.store, "put_progress", real)
+        emu.update(rate_moderation=0.0)
+
+
 def test_admission_reserves_for_the_turns_still_to_come(conversation_worker, redis_server):
     tasks, rt, task, _, _ = conversation_worker
     r = redis_server.client()
@@ -287,21 +305,13 @@ def test_a_failed_turn_keeps_the_completed_ones_and_a_retry_resumes(conversation
     """Turn 2 is refused (moderation): the failure names the conversation's own task (so requeue
     sends it again), turn 1 stays kept, and the retry pays only for turns 2 and 3."""
     tasks, rt, task, run, emu = conversation_worker
-    real = rt.store.put_progress
-
-    def then_refuse(progress):  # the fault arrives with the next request, right after turn 1 is kept
-        real(progress)
-        emu.update(rate_moderation=1.0)
-
-    monkeypatch.setattr(rt.store, "put_progress", then_refuse)
-    assert run(task) == "failed"
+    with turn_two_refused(rt, emu, monkeypatch):
+        assert run(task) == "failed"
     [failure] = rt.store.failures("ds")
     assert failure.task == task and failure.error_kind == "moderation"
     [turn1] = rt.store.progress("ds", task.key).turns
     assert emu.stats()["by_endpoint"]["/v1/chat/completions"] == 2
 
-    monkeypatch.setattr(rt.store, "put_progress", real)
-    emu.update(rate_moderation=0.0)
     assert run(failure.task) == "stored"
     rec = rt.store.get("ds", task.key)
     assert rec.turns[0] == turn1 and len(rec.turns) == 3

@@ -16,7 +16,7 @@ from draftfleet.identity import prompt_key
 from draftfleet.ledger import micro_usd
 from draftfleet.reconcile import Reconciler
 
-from .test_multiturn import conversation_worker  # noqa: F401 - the fixture
+from .test_multiturn import conversation_worker, turn_two_refused  # noqa: F401 - the fixture
 
 
 def _spend(rt) -> int:
@@ -28,19 +28,11 @@ def test_turns_paid_before_a_failed_turn_are_in_the_spend_once(conversation_work
     record is stored. The retry stores the conversation: its count adds turns 2 and 3 only, and
     the reconciler finds nothing to correct."""
     tasks, rt, task, run, emu = conversation_worker
-    real = rt.store.put_progress
-
-    def then_refuse(progress):
-        real(progress)
-        emu.update(rate_moderation=1.0)
-
-    monkeypatch.setattr(rt.store, "put_progress", then_refuse)
-    assert run(task) == "failed"
+    with turn_two_refused(rt, emu, monkeypatch):
+        assert run(task) == "failed"
     [turn1] = rt.store.progress("ds", task.key).turns
     assert turn1.cost_usd > 0 and _spend(rt) == micro_usd(turn1.cost_usd)
 
-    monkeypatch.setattr(rt.store, "put_progress", real)
-    emu.update(rate_moderation=0.0)
     [failure] = rt.store.failures("ds")
     assert run(failure.task) == "stored"
     rec = rt.store.get("ds", task.key)
