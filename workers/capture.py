@@ -214,10 +214,7 @@ class CaptureRuntime:
 
     def stop(self) -> None:
         self._stop.set()
-        try:
-            self.r.delete(rk.worker_report(self.hostname))
-        except redis.RedisError:
-            pass
+        self.claims.withdraw()
 
     def manifest(self, dataset: str, version: int) -> CaptureManifest | None:
         k = (dataset, version)

@@ -145,10 +145,7 @@ class Runtime:
 
     def stop(self) -> None:
         self._stop.set()
-        try:
-            self.r.delete(rk.worker_report(self.hostname))
-        except redis.RedisError:
-            pass
+        self.claims.withdraw()
 
     # -- consuming: assignment and pauses --------------------------------------------------
     def refresh(self) -> None:
