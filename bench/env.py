@@ -216,7 +216,7 @@ def write_prompts(path: Path, n: int, tag: str = "bench", words: int = 24) -> Pa
     """``n`` distinct single-turn prompts in OpenAI messages form (one JSON object a line)."""
     import random
 
-    from draftfleet.samples import _WORDS
+    from draftfleet.devtools.samples import _WORDS
 
     rng = random.Random(f"prompts:{tag}")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ def build(folder: Path, dataset: str, responses: int, mean_tokens: float, tok: T
     text is their decoding; stopped responses end with the end-of-turn id. Returns the store root,
     the JSONL path and the total of completion tokens.
     """
-    from draftfleet.samples import _corpus
+    from draftfleet.devtools.samples import _corpus
 
     rng = random.Random(seed)
     stream = tok.encode_text(" ".join(_corpus(4000, seed=seed)))
@@ -111,10 +111,10 @@ def store_read(root: Path, dataset: str) -> tuple[int, int]:
 def _inventory(root: Path, dataset: str, tok: TargetTokenizer, roundtrip_sample: int = 500) -> tuple[int, int] | None:
     """``draftfleet inventory`` in-process, with validation (None if the module is not there yet)."""
     # --- draftfleet inventory (issue 3) -----------------------------------------------------------
-    # Runs the product's own inventory when draftfleet.inventory provides run_inventory; otherwise
+    # Runs the product's own inventory when draftfleet.views.inventory provides run_inventory; otherwise
     # the benchmark reports the store read alone (store_read above), the path inventory is built on.
     try:
-        from draftfleet.inventory import run_inventory
+        from draftfleet.views.inventory import run_inventory
     except ImportError:
         return None
     [inv] = run_inventory(root, None, [dataset], tok, roundtrip_sample=roundtrip_sample)

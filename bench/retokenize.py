@@ -14,7 +14,7 @@ import random
 import time
 from pathlib import Path
 
-from draftfleet.samples import _WORDS
+from draftfleet.devtools.samples import _WORDS
 from draftfleet.schemas.records import Message
 from draftfleet.tokenizer import TargetTokenizer
 

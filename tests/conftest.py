@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from draftfleet.broker import redis_binary
-from draftfleet.samples import build_tokenizer
+from draftfleet.devtools.samples import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,7 +126,7 @@ def qwen3_tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def emulator_factory(tokenizer_dir):
-    from draftfleet.emulator import Emulator, EmulatorConfig
+    from draftfleet.devtools.emulator import Emulator, EmulatorConfig
 
     started = []
 

@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 
 from draftfleet import redis_keys as rk
-from draftfleet.inventory import run_inventory
+from draftfleet.views.inventory import run_inventory
 from draftfleet.ledger import Ledger
 from draftfleet.queues import queued_keys
 from draftfleet.reconcile import Reconciler

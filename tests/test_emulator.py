@@ -15,8 +15,8 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from draftfleet.emulator import FAULT_KINDS, FAULT_PATHS, Emulator, EmulatorConfig
-from draftfleet.samples import build_tokenizer
+from draftfleet.devtools.emulator import FAULT_KINDS, FAULT_PATHS, Emulator, EmulatorConfig
+from draftfleet.devtools.samples import build_tokenizer
 
 KEY = "sk-emulator-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -335,7 +335,7 @@ def test_stop_ends_hung_requests(tokenizer_dir: Path) -> None:
 
 def test_serve_runs_until_sigterm(tokenizer_dir: Path) -> None:
     code = (
-        "from draftfleet.emulator import EmulatorConfig, serve; "
+        "from draftfleet.devtools.emulator import EmulatorConfig, serve; "
         f"serve(EmulatorConfig(tokenizer={str(tokenizer_dir)!r}, time_scale=0), port=0)"
     )
     with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) as proc:

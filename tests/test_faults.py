@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from draftfleet import redis_keys as rk
-from draftfleet.emulator import Emulator, EmulatorConfig
+from draftfleet.devtools.emulator import Emulator, EmulatorConfig
 from draftfleet.ledger import Ledger, micro_usd
 from draftfleet.queues import queued_keys
 from draftfleet.schemas.config import load_config

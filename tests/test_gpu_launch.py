@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 FAKE_LAUNCH = textwrap.dedent(
     """
     import argparse, json, os
-    from draftfleet.emulator import EmulatorConfig, serve
+    from draftfleet.devtools.emulator import EmulatorConfig, serve
 
     p = argparse.ArgumentParser()
     for flag in ("--model-path", "--host", "--port", "--tp-size"):

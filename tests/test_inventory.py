@@ -7,7 +7,7 @@ import time
 import msgspec
 import pytest
 
-from draftfleet.inventory import run_inventory
+from draftfleet.views.inventory import run_inventory
 from draftfleet.schemas.records import Message, ResponseRecord, Usage
 from draftfleet.store import Store
 

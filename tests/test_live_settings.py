@@ -14,7 +14,7 @@ import pytest
 from draftfleet import redis_keys as rk
 from draftfleet.ledger import WAIT, Ledger
 from draftfleet.schemas.config import load_config
-from draftfleet.status import snapshot
+from draftfleet.views.status import snapshot
 from draftfleet.store import Store
 
 from .conftest import free_port, run_cli, wait_until, write_config, write_jsonl

@@ -12,7 +12,7 @@ from rich.console import Console
 from draftfleet import redis_keys as rk
 from draftfleet.ledger import Ledger
 from draftfleet.schemas.config import load_config
-from draftfleet.status import BackendRow, DatasetRow, Snapshot, SpendRow, WorkerRow, render, snapshot
+from draftfleet.views.status import BackendRow, DatasetRow, Snapshot, SpendRow, WorkerRow, render, snapshot
 
 from tests.conftest import run_cli, write_config, write_jsonl
 from tests.test_inventory import _rec

@@ -118,12 +118,12 @@ def test_worker_gpu_with_both_engines_and_no_choice_names_both(tmp_path):
 
 
 def test_gpu_fan_out_passes_the_engine_to_each_child():
-    from draftfleet.cli import _worker_flags
+    from draftfleet.cli.worker import worker_flags
 
-    flags = _worker_flags(parse_cli(["draftfleet", "worker", "gpu", "--engine", "vllm", "--gpu", "0-7", "--inflight", "32"]))
+    flags = worker_flags(parse_cli(["draftfleet", "worker", "gpu", "--engine", "vllm", "--gpu", "0-7", "--inflight", "32"]))
     assert flags[:2] == ["--engine", "vllm"] and "--gpu" not in flags
     assert parse_cli(["draftfleet", "worker", "gpu", *flags, "--gpu", "3"]).engine == "vllm"
-    assert "--engine" not in _worker_flags(parse_cli(["draftfleet", "worker", "gpu", "--gpu", "0-7"]))
+    assert "--engine" not in worker_flags(parse_cli(["draftfleet", "worker", "gpu", "--gpu", "0-7"]))
 
 
 # -- the client against vLLM's answers ------------------------------------------------------------

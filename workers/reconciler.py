@@ -56,7 +56,7 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
     if metrics_port is not None:
         from prometheus_client import REGISTRY, start_http_server
 
-        from draftfleet.metrics import FleetCollector
+        from draftfleet.views.metrics import FleetCollector
 
         REGISTRY.register(FleetCollector(cfg, r))
         start_http_server(metrics_port, addr=metrics_address)

@@ -2,7 +2,7 @@
 
 Nothing here is downloaded: the tokenizer is trained with ``tokenizers`` on a built-in corpus,
 and saved as a Hugging Face tokenizer folder that ``AutoTokenizer`` loads like a real model's.
-``python -m draftfleet.samples DIR`` regenerates ``examples/``.
+``python -m draftfleet.devtools.samples DIR`` regenerates ``examples/``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from draftfleet.ledger import Ledger
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.status import snapshot
+from draftfleet.views.status import snapshot
 
 
 class FleetCollector:

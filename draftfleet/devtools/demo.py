@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from draftfleet import samples, status
+from draftfleet.devtools import samples
+from draftfleet.views import status
 from draftfleet.broker import EmbeddedRedis, connect
 from draftfleet.schemas.config import load_config
 from draftfleet.store import Store
@@ -33,7 +34,7 @@ DEMO_KEY_ENV = "DRAFTFLEET_DEMO_API_KEY"
 
 def examples_dir() -> Path:
     """The repo's ``examples/``; regenerated into a temp folder when running from a wheel."""
-    here = Path(__file__).resolve().parents[1] / "examples"
+    here = Path(__file__).resolve().parents[2] / "examples"
     if (here / "tokenizer" / "tokenizer.json").exists():
         return here
     return samples.build_examples(Path(tempfile.mkdtemp(prefix="draftfleet-examples-")))
@@ -66,7 +67,7 @@ def _stop(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
 
 
 def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool = False) -> int:
-    from draftfleet.emulator import Emulator, EmulatorConfig
+    from draftfleet.devtools.emulator import Emulator, EmulatorConfig
     from draftfleet.producer.enqueue import enqueue_dataset
     from draftfleet.workers.app import make_app
 

@@ -1,0 +1,86 @@
+"""``draftfleet``: the one console script; each subcommand is a thin layer over a module."""
+
+# Each command's module (draftfleet.cli.<module>) holds its arguments beside its code: register(sub).
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.markup import escape
+
+from draftfleet.cli import (
+    capture,
+    data,
+    devtools,
+    enqueue,
+    failures,
+    inventory,
+    pivot,
+    services,
+    status,
+    worker,
+)
+from draftfleet.cli.common import err
+from draftfleet.schemas.config import ConfigError
+
+# The order `draftfleet --help` lists them in: the work, the services, the operator's views.
+COMMANDS = (enqueue, worker, capture, devtools, services, failures, status, pivot, inventory, data)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
+    p = argparse.ArgumentParser(prog="draftfleet", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version('draftfleet')}")
+    sub = p.add_subparsers(dest="command", required=True)
+    for module in COMMANDS:
+        module.register(sub)
+    return p
+
+
+# Commands that run once and end: a private Redis they had to start is stopped on the way out.
+ONE_SHOT = ("inventory", "export", "import", "reconcile", "status", "failures", "drain", "pivot")
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    finally:
+        if args.command in ONE_SHOT:
+            from draftfleet.broker import release_embedded
+
+            release_embedded()
+
+
+
+def _run(args) -> int:
+    try:
+        return args.func(args) or 0
+    except ConfigError as exc:
+        err.print(f"[red]config error[/]: {escape(str(exc))}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a clear one-line error for operator mistakes; the rest keep a trace
+        import redis
+
+        from draftfleet.broker import BrokerError, unreachable
+        from draftfleet.store import StoreError
+        from draftfleet.tokenizer import TokenizerError
+
+        if isinstance(exc, redis.RedisError):
+            # redis-py names host and port, never the password
+            err.print(f"[red]cannot reach Redis[/]: {escape(unreachable(exc))}", highlight=False)
+            return 1
+        if isinstance(exc, (BrokerError, StoreError, TokenizerError, OSError)):
+            err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+            return 1
+        raise
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""``draftfleet capture``: queue hidden-state capture of every stored record turn without one."""
+
+from __future__ import annotations
+
+from draftfleet.cli.common import add_common, config, each_dataset, out, sender
+
+
+def cmd_capture(args) -> int:
+    import msgspec
+
+    from draftfleet.hidden import CaptureError
+    from draftfleet.producer.capture import queue_capture
+
+    cfg = config(args)
+    app, r, store = sender(args, cfg)
+    summaries, status = each_dataset(
+        args.dataset or [d.name for d in cfg.datasets], CaptureError,
+        lambda name: queue_capture(cfg, store, app, r, name, new_version=args.new_version, ignore_space=args.ignore_space))
+    if args.json:
+        print(msgspec.json.encode(summaries).decode())
+        return status
+    for c in summaries:
+        out.print(f"{c.dataset} capture v{c.version} (layers {c.layer_ids}): {c.units:,} record turns, {c.done:,} "
+                  f"captured, {c.queued:,} queued ({c.already_queued:,} already queued); {c.tokens_to_capture:,} "
+                  f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB of {c.free_bytes / 1e9:,.1f} GB free", highlight=False)
+    return status
+
+
+def register(sub) -> None:
+    sp = sub.add_parser("capture", help="queue hidden-state capture of every stored record turn without one (resume)")
+    add_common(sp)
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
+    sp.add_argument("--new-version", action="store_true",
+                    help="start a new capture version when the model or layers differ from the stored capture's")
+    sp.add_argument("--ignore-space", action="store_true",
+                    help="queue even when the estimated size exceeds the store's free space")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sp.set_defaults(func=cmd_capture)

@@ -1,0 +1,112 @@
+"""``draftfleet inventory`` and ``draftfleet reconcile``: what the store holds, and the counters rebuilt from it."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+from rich.table import Table
+
+from draftfleet.cli.common import add_common, config_or_store, dataset_names, optional_tokenizer, out, redis_client
+
+
+def print_inventory(invs) -> None:
+    from draftfleet.views.inventory import ROUNDTRIP_MEANING
+
+    for inv in invs:
+        table = Table(title=f"inventory: {inv.dataset}", title_justify="left")
+        for col in ("backend", "kind", "token source", "responses", "completion tokens", "provider's count",
+                    "difference", "cost (USD)"):
+            table.add_column(col, justify="left" if col in ("backend", "kind", "token source") else "right")
+        for s in inv.by_source:
+            theirs = (f"{s.provider_completion_tokens:,}", f"{s.provider_difference:+,}") if s.provider_responses else ("-", "-")
+            table.add_row(s.backend, s.backend_kind, s.token_source, f"{s.responses:,}", f"{s.completion_tokens:,}",
+                          *theirs, f"{s.cost_usd:,.2f}")
+        table.add_row("total", "", "", f"{inv.responses:,}", f"{inv.completion_tokens:,}", "", "", f"{inv.spend_usd:,.2f}")
+        out.print(table)
+        out.print("completion tokens: the target tokenizer's count (budgets use it); provider's count: the API's own "
+                  "usage.completion_tokens (its tokenizer); difference: ours minus theirs", highlight=False)
+        line = f"mean {inv.mean_tokens or 0:,.0f} tokens/response"
+        if inv.conversations:
+            line += f"; {inv.conversations:,} conversations, {inv.turns:,} regenerated turns in all"
+        if inv.budget_tokens:
+            line += (f"; budget {inv.budget_tokens:,}: {100 * (inv.share_done or 0):.1f}% done, "
+                     f"{inv.remaining_tokens:,} remaining")
+        if inv.prompts_left is not None:
+            line += f"; {inv.prompts_left:,} prompts left"
+        for name, usd in inv.cost_to_finish_usd.items():
+            line += f"; to finish on {name}: ~${usd:,.2f}"
+        out.print(line, highlight=False)
+        v = inv.validation
+        checks = [f"schema errors {v.schema_errors}", f"truncated {v.truncated}", f"duplicate prompts {v.duplicate_prompts}"]
+        if v.ids_out_of_vocab is not None:
+            checks += [f"ids out of vocab {v.ids_out_of_vocab}", f"stopped without end-of-turn {v.stop_without_eot}"]
+        if v.roundtrip_mismatch_share is not None:
+            checks.append(f"round-trip mismatch share {100 * v.roundtrip_mismatch_share:.1f}% "
+                          f"({v.roundtrip_mismatched} of {v.roundtrip_checked} exact records)")
+        out.print("validation: " + ", ".join(checks), highlight=False)
+        if (h := inv.hidden_states) is not None:
+            out.print(f"hidden states v{h.version} (layers {h.layer_ids}): {h.files:,} of {h.units:,} turns captured, "
+                      f"{h.tokens:,} tokens, {h.bytes / 1e9:,.3f} GB"
+                      + (f" ({h.bytes / h.tokens:,.0f} B/token)" if h.tokens else ""), highlight=False)
+        if v.roundtrip_mismatch_share is not None:
+            out.print(f"  round-trip mismatch share: {ROUNDTRIP_MEANING}", highlight=False)
+        for f in v.unreadable_files[:10]:
+            out.print(f"  [yellow]unreadable[/] {escape(f)}", highlight=False)
+
+
+def cmd_inventory(args) -> int:
+    import msgspec
+
+    from draftfleet.views.inventory import run_inventory
+
+    cfg, root = config_or_store(args)
+    invs = run_inventory(root, cfg, args.dataset, optional_tokenizer(args, cfg), args.roundtrip_sample)
+    if args.json:
+        print(msgspec.json.encode(invs).decode())
+    else:
+        print_inventory(invs)
+    return 0
+
+
+def cmd_reconcile(args) -> int:
+    import msgspec
+
+    from draftfleet.reconcile import Reconciler
+    from draftfleet.store import Store
+
+    cfg, root = config_or_store(args)
+    store = Store(root)
+    names = dataset_names(args, cfg, root)
+    drifts = Reconciler(store, redis_client(args, cfg)).reconcile_all(names)
+    if args.json:
+        print(msgspec.json.encode(drifts).decode())
+        return 0
+    table = Table(title="reconcile: counters against the store")
+    for col in ("dataset", "stored", "counted", "newly counted", "corrections", "counted, not stored", "unreadable"):
+        table.add_column(col, justify="left" if col in ("dataset", "corrections") else "right")
+    for d in drifts:
+        fixes = "; ".join(f"{b}: " + ", ".join(f"{k} {v:+d}" for k, v in c.items()) for b, c in d.corrections.items())
+        table.add_row(d.dataset, str(d.stored), str(d.counted), str(d.newly_counted), fixes or "none",
+                      str(d.counted_not_stored), str(len(d.unreadable)))
+    out.print(table)
+    for d in drifts:
+        if d.set_aside:
+            out.print(f"{d.dataset}: {len(d.set_aside)} record files could not be read and were set aside "
+                      f"(first: {escape(d.set_aside[0])}); `draftfleet enqueue` generates them again", highlight=False)
+    return 0
+
+
+def register(sub) -> None:
+    sp = sub.add_parser("inventory", help="responses, tokens, budget, cost to finish and validation, from the store")
+    add_common(sp)
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
+    sp.add_argument("--tokenizer", help="tokenizer folder for the validation (default [fleet].tokenizer)")
+    sp.add_argument("--roundtrip-sample", type=int, default=200,
+                    help="exact records checked decode->encode (at most 100k tokens of them; 0: skip)")
+    sp.add_argument("--json", action="store_true", help="print the inventory as JSON")
+    sp.set_defaults(func=cmd_inventory)
+
+    sp = sub.add_parser("reconcile", help="rebuild the counters from the store, report and correct drift")
+    add_common(sp)
+    sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
+    sp.add_argument("--json", action="store_true", help="print the drift as JSON")
+    sp.set_defaults(func=cmd_reconcile)
