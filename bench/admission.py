@@ -78,7 +78,7 @@ def _child(tree: Path, url: str, inflight: int, rounds: int, max_s: float) -> di
             r.hset(rk.reservations(DATASET), mapping={k: f"{EXPECTED}:{now_ms}" for k in chunk})
     else:
         for k in keys[:inflight]:
-            assert ledger.admit(DATASET, k, BUDGET, EXPECTED, MAX_TOKENS) == ledger_module.ADMITTED
+            assert ledger.admit(DATASET, k, "bench", BUDGET, EXPECTED, MAX_TOKENS) == ledger_module.ADMITTED
     fill_s = time.perf_counter() - fill_start
 
     def record(key: str) -> ResponseRecord:
@@ -95,7 +95,7 @@ def _child(tree: Path, url: str, inflight: int, rounds: int, max_s: float) -> di
     def task() -> float:
         nonlocal nxt, oldest
         t0 = time.perf_counter()
-        assert ledger.admit(DATASET, keys[nxt], BUDGET, EXPECTED, MAX_TOKENS) == ledger_module.ADMITTED
+        assert ledger.admit(DATASET, keys[nxt], "bench", BUDGET, EXPECTED, MAX_TOKENS) == ledger_module.ADMITTED
         took = time.perf_counter() - t0
         ledger.count(record(keys[oldest]))
         nxt, oldest = nxt + 1, oldest + 1

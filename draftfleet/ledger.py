@@ -12,18 +12,23 @@ flight) stays within the budget. A response still running long after admission i
 (short ones finish first, and lengths are heavy-tailed), so its reservation grows to twice the
 tokens one stream makes in that time, up to max_tokens.
 (2) Past that, closing rounds: each waits until nothing is in flight, then admits up to half of
-the room left; rounds shrink until less than one response fits, and the dataset closes (its
+the room left (and never past the budget as published now, which may have been lowered since the
+round began); rounds shrink until less than one response fits, and the dataset closes (its
 queue is purged, later tasks are skipped). Waiting rounds have no stragglers to guess about, so
 the total lands within about one response of the budget.
 
 Redis work per admission does not grow with what is in flight. The reserved total is kept as
 aggregates updated when a reservation is taken, changes state or is settled: a reservation is
 ``young`` (it holds its expected tokens), ``old`` (it holds twice what one stream made since its
-admission, summed over the group as count x now - sum of admission times) or ``capped`` (it holds
-max_tokens). Each reservation sits in a sorted set at the time of its next event: its move to the
-next state, or the moment its claim would lapse. An admission handles only the due entries (at
-most ``EXPIRE_BATCH``): a reservation whose claim is gone (its worker died) is dropped, a live
-one is rescheduled, so each reservation costs O(log n) a claim TTL, not a scan per admission.
+admission, summed over the group as count x now - sum of admission times, up to the group's caps)
+or ``capped`` (it holds its own cap: its task's max_tokens for the turns it has left). Each
+reservation sits in a sorted set at the time of its next event: its move to the next state, or
+the moment its claim would lapse. An admission handles only the due entries (at most
+``EXPIRE_BATCH``): a reservation whose claim is gone (its worker died) or is another copy's is
+dropped, a live one is rescheduled, so each reservation costs O(log n) a claim TTL, not a scan
+per admission. A reservation belongs to the claim it was taken under: only that claim's task
+releases it, so a stale copy (its claim lapsed, the key claimed again) never frees the
+reservation of the copy that runs now.
 """
 
 from __future__ import annotations
@@ -42,41 +47,47 @@ EXPIRE_BATCH = 64
 # When to look again at a reservation whose claim has no TTL (claims always have one in the fleet).
 RECHECK_MS = 30_000
 
-# The reservations' aggregates (hash ``agg``): n, ey = Σ expected of young ones, no / so = count and
-# Σ(admitted - t0) of old ones, nc = count of capped ones, t0 = origin of admission times (reset
+# A reservation's entry is ``expected:admitted_ms:state:cap:token``: its own cap (its task's
+# max_tokens x turns left, what it may grow to) and the token of the claim it was taken under, so
+# that only that claim's task releases it and the due check drops it once that claim is gone.
+# The aggregates (hash ``agg``): n, ey = Σ expected of young ones, no / so / co = count, Σ(admitted
+# - t0) and Σ cap of old ones, cc = Σ cap of capped ones, t0 = origin of admission times (reset
 # when empty). A script reads them once (load), changes them in Lua, and writes them once (save).
-# settle(reservations, due, A, key) drops a reservation and takes its share out of A.
+# settle(reservations, due, A, key, token) drops a reservation (only the token's, when one is
+# given) and takes its share out of A.
 _SETTLE = """
 local function parse(v)
-  local e, s, st = string.match(v or '', '^(%d+):(%d+):(%a)$')
+  local e, s, st, c, tok = string.match(v or '', '^(%d+):(%d+):(%a):(%d+):(.*)$')
   if not st then return nil end
-  return tonumber(e), tonumber(s), st
+  return tonumber(e), tonumber(s), st, tonumber(c), tok
 end
 local function load(agg)
-  local a = redis.call('HMGET', agg, 'n', 'ey', 'no', 'so', 'nc', 't0')
+  local a = redis.call('HMGET', agg, 'n', 'ey', 'no', 'so', 'co', 'cc', 't0')
   return {n = tonumber(a[1] or '0'), ey = tonumber(a[2] or '0'), no = tonumber(a[3] or '0'),
-          so = tonumber(a[4] or '0'), nc = tonumber(a[5] or '0'), t0 = tonumber(a[6] or '0')}
+          so = tonumber(a[4] or '0'), co = tonumber(a[5] or '0'), cc = tonumber(a[6] or '0'),
+          t0 = tonumber(a[7] or '0')}
 end
 local function save(agg, A)
   if A.n <= 0 then redis.call('DEL', agg) return end
-  redis.call('HSET', agg, 'n', A.n, 'ey', A.ey, 'no', A.no, 'so', A.so, 'nc', A.nc, 't0', A.t0)
+  redis.call('HSET', agg, 'n', A.n, 'ey', A.ey, 'no', A.no, 'so', A.so, 'co', A.co, 'cc', A.cc, 't0', A.t0)
 end
-local function settle(res, due, A, k)
+local function settle(res, due, A, k, token)
   local v = redis.call('HGET', res, k)
   if not v then return 0 end  -- (a due entry left without its reservation is dropped when due)
+  local e, s, st, c, tok = parse(v)
+  if token and tok ~= token then return 0 end  -- another copy's: not this task's to release
   redis.call('HDEL', res, k)
   redis.call('ZREM', due, k)
-  local e, s, st = parse(v)
-  if not st then return 0 end  -- taken before the aggregates existed: it has no share in them
+  if not st then return 0 end  -- not an entry of this format: it has no share in the aggregates
   A.n = A.n - 1
   if st == 'y' then A.ey = A.ey - e
-  elseif st == 'o' then A.no = A.no - 1 A.so = A.so - (s - A.t0)
-  else A.nc = A.nc - 1 end
+  elseif st == 'o' then A.no = A.no - 1 A.so = A.so - (s - A.t0) A.co = A.co - c
+  else A.cc = A.cc - c end
   return 1
 end
-local function settle_one(res, due, agg, k)
+local function settle_one(res, due, agg, k, token)
   local A = load(agg)
-  if settle(res, due, A, k) == 1 then save(agg, A) return 1 end
+  if settle(res, due, A, k, token) == 1 then save(agg, A) return 1 end
   return 0
 end
 """
@@ -106,11 +117,13 @@ redis.call('EXPIRE', KEYS[6], ARGV[5])
 return 1
 """
 
-_RELEASE = _SETTLE + "return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])"
+_RELEASE = _SETTLE + "return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])"
 
-# Drop a reservation only if its claim is gone (checked here, atomically with the drop).
+# Drop a reservation only if the claim it was taken under is gone (checked here, atomically with
+# the drop): the key unclaimed, or claimed by another copy.
 _DROP_DEAD = _SETTLE + """
-if redis.call('EXISTS', ARGV[2] .. ARGV[1]) == 1 then return 0 end
+local e, s, st, c, tok = parse(redis.call('HGET', KEYS[1], ARGV[1]))
+if st and redis.call('GET', ARGV[2] .. ARGV[1]) == tok then return 0 end
 return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 """
 
@@ -121,6 +134,7 @@ local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'comple
 local committed, responses = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local sq, latency_ms = tonumber(f[3] or '0'), tonumber(f[4] or '0')
 local budget, expect, cap_tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
+local token = ARGV[9]
 -- the budget enqueue published last (assign.py) wins over the caller's, which may be a second old
 local live = redis.call('HGET', KEYS[7], ARGV[8])
 if live then
@@ -138,38 +152,39 @@ local function done(verdict)
   if dirty then save(agg, A) end
   return verdict
 end
-local function restate(k, e, s, from, to)
-  if from == 'y' then A.ey = A.ey - e else A.no = A.no - 1 A.so = A.so - (s - A.t0) end
-  if to == 'o' then A.no = A.no + 1 A.so = A.so + (s - A.t0) else A.nc = A.nc + 1 end
-  redis.call('HSET', res, k, e .. ':' .. s .. ':' .. to)
+-- each reservation moves on with its own cap (c), whatever the cap of the task asking now
+local function restate(k, e, s, c, tok, from, to)
+  if from == 'y' then A.ey = A.ey - e else A.no = A.no - 1 A.so = A.so - (s - A.t0) A.co = A.co - c end
+  if to == 'o' then A.no = A.no + 1 A.so = A.so + (s - A.t0) A.co = A.co + c else A.cc = A.cc + c end
+  redis.call('HSET', res, k, e .. ':' .. s .. ':' .. to .. ':' .. c .. ':' .. tok)
   dirty = true
 end
 -- next event of a reservation: its move to the next state, or when its claim would lapse
-local function schedule(k, e, s, st, claim_ttl)
+local function schedule(k, e, s, st, c, claim_ttl)
   local at = now + ((claim_ttl > 0) and claim_ttl or tonumber(ARGV[6]))
   if per_stream > 0 then
     if st == 'y' then at = math.min(at, s + math.ceil(e / (2 * per_stream)))
-    elseif st == 'o' then at = math.min(at, s + math.ceil(cap_tokens / (2 * per_stream))) end
+    elseif st == 'o' then at = math.min(at, s + math.ceil(c / (2 * per_stream))) end
   end
   redis.call('ZADD', due, math.max(at, now + 1), k)
 end
 
--- only the due reservations: drop those whose claim lapsed (their worker died), move the rest on
+-- only the due reservations: drop those whose claim lapsed or passed to another copy (their
+-- worker died, or was cut off for longer than a claim TTL), move the rest on
 for _, k in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now, 'LIMIT', 0, tonumber(ARGV[7]))) do
-  local claim_ttl = redis.call('PTTL', ARGV[4] .. k)
-  local e, s, st = parse(redis.call('HGET', res, k))
+  local e, s, st, c, tok = parse(redis.call('HGET', res, k))
   if not st then
     redis.call('ZREM', due, k)  -- its reservation was settled: nothing left to look at
-  elseif claim_ttl == -2 then
+  elseif redis.call('GET', ARGV[4] .. k) ~= tok then
     if settle(res, due, A, k) == 1 then dirty = true end
   else
     -- a response still running long after admission is a long one (lengths are heavy-tailed: the
     -- longer it has run, the longer it will run): reserve twice what it has likely made so far
-    if st == 'y' and per_stream > 0 and 2 * per_stream * (now - s) >= e then restate(k, e, s, 'y', 'o') st = 'o' end
-    if st == 'o' and per_stream > 0 and 2 * per_stream * (now - s) >= cap_tokens then
-      restate(k, e, s, 'o', 'c') st = 'c'
+    if st == 'y' and per_stream > 0 and 2 * per_stream * (now - s) >= e then restate(k, e, s, c, tok, 'y', 'o') st = 'o' end
+    if st == 'o' and per_stream > 0 and 2 * per_stream * (now - s) >= c then
+      restate(k, e, s, c, tok, 'o', 'c') st = 'c'
     end
-    schedule(k, e, s, st, claim_ttl)
+    schedule(k, e, s, st, c, redis.call('PTTL', ARGV[4] .. k))
   end
 end
 
@@ -177,16 +192,16 @@ local live = A.n
 local reserved = 0
 if live > 0 then
   local grown = 2 * per_stream * (A.no * (now - A.t0) - A.so)
-  reserved = A.ey + math.min(A.no * cap_tokens, grown) + cap_tokens * A.nc
+  reserved = A.ey + math.min(A.co, grown) + A.cc
 end
 local function take()
   settle(res, due, A, ARGV[1])
-  if A.n <= 0 then A = {n = 0, ey = 0, no = 0, so = 0, nc = 0, t0 = now} end
+  if A.n <= 0 then A = {n = 0, ey = 0, no = 0, so = 0, co = 0, cc = 0, t0 = now} end
   A.n = A.n + 1
   A.ey = A.ey + expect
   dirty = true
-  redis.call('HSET', res, ARGV[1], expect .. ':' .. now .. ':y')
-  schedule(ARGV[1], expect, now, 'y', redis.call('PTTL', ARGV[4] .. ARGV[1]))
+  redis.call('HSET', res, ARGV[1], expect .. ':' .. now .. ':y:' .. cap_tokens .. ':' .. token)
+  schedule(ARGV[1], expect, now, 'y', cap_tokens, redis.call('PTTL', ARGV[4] .. ARGV[1]))
 end
 if redis.call('EXISTS', KEYS[4]) == 0 then
   local var = expect * expect
@@ -198,7 +213,9 @@ end
 local cap = tonumber(redis.call('HGET', KEYS[4], 'cap'))
 local admitted = tonumber(redis.call('HGET', KEYS[4], 'admitted'))
 if live > 0 then
-  if admitted + expect <= cap then
+  -- within the round's cap, and within the budget as published now (it may have been lowered
+  -- since the round began: its cap was half the room left under the budget of then)
+  if admitted + expect <= cap and committed + reserved + expect <= budget then
     take()
     redis.call('HINCRBY', KEYS[4], 'admitted', expect)
     return done(1)
@@ -304,32 +321,37 @@ class Ledger:
             return max(1, round(t["completion_tokens"] / t["responses"]))
         return max(1, max_tokens // 2)
 
-    def admit(self, dataset: str, key: str, budget: int, expected: int, max_tokens: int) -> int:
+    def admit(self, dataset: str, key: str, token: str, budget: int, expected: int, max_tokens: int) -> int:
         """ADMITTED (reservation held), WAIT (no room unless what is in flight comes in short),
-        REFUSED (this call closed the dataset) or CLOSED. Needs the task's claim to be held.
+        REFUSED (this call closed the dataset) or CLOSED. Needs the task's claim, held under
+        ``token``: the reservation is that claim's (released by it, dropped once it is gone).
+        ``max_tokens`` is the most the task can make, what its reservation may grow to.
 
         ``budget`` counts only while the dataset has no published budget (assign.py)."""
         return int(self._admit(
             keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
                   *self._reservation_index(dataset), rk.DATASETS],
-            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset],
+            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset, token],
         ))
 
     @staticmethod
     def _reservation_index(dataset: str) -> list[str]:
         return [rk.reservations_due(dataset), rk.reserved_sum(dataset)]
 
-    def release(self, dataset: str, key: str) -> None:
-        """Settle the key's reservation (the task ends without a counted result)."""
-        self._release(keys=[rk.reservations(dataset), *self._reservation_index(dataset)], args=[key])
+    def release(self, dataset: str, key: str, token: str) -> None:
+        """Settle the reservation the task holding the claim ``token`` took (it ends without a
+        counted result); one another copy of the key took since is left alone."""
+        self._release(keys=[rk.reservations(dataset), *self._reservation_index(dataset)], args=[key, token])
 
     def drop_dead(self, dataset: str) -> int:
-        """Drop every reservation whose claim is gone (a full pass, for the reconciler); how many."""
-        keys = [k.decode() for k in self.r.hkeys(rk.reservations(dataset))]
+        """Drop every reservation whose claim is gone or held by another copy (a full pass, for
+        the reconciler); how many."""
+        entries = {k.decode(): v.decode() for k, v in self.r.hgetall(rk.reservations(dataset)).items()}
         pipe = self.r.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(rk.claim(dataset, k))
-        dead = [k for k, alive in zip(keys, pipe.execute()) if not alive]
+        for k in entries:
+            pipe.get(rk.claim(dataset, k))
+        dead = [k for (k, v), holder in zip(entries.items(), pipe.execute())
+                if holder is None or v.split(":", 4)[-1] != holder.decode()]
         index = [rk.reservations(dataset), *self._reservation_index(dataset)]
         return sum(int(self._drop_dead(keys=index, args=[k, rk.claim(dataset, "")])) for k in dead)
 

@@ -134,7 +134,7 @@ def test_waiting_for_admission_holds_no_slot(tmp_path, redis_server, tokenizer_d
     while True:
         key = f"{len(outside):064x}"
         r.set(rk.claim("a", key), "elsewhere@host:1:x")
-        if ledger.admit("a", key, 1000, 32, 64) == WAIT:
+        if ledger.admit("a", key, "elsewhere@host:1:x", 1000, 32, 64) == WAIT:
             r.delete(rk.claim("a", key))
             break
         outside.append(key)
@@ -146,6 +146,6 @@ def test_waiting_for_admission_holds_no_slot(tmp_path, redis_server, tokenizer_d
 
     for key in outside:  # the work elsewhere ends: a's tasks are admitted
         r.delete(rk.claim("a", key))
-        ledger.release("a", key)
+        ledger.release("a", key, "elsewhere@host:1:x")
     wait_until(lambda: len(store.keys("a")) == 6, 60, 0.2, f"a done\n{workers.logs()}")
     assert _tokens(store, "a") <= 1000 and not store.failures("a")

@@ -291,12 +291,13 @@ def turn_two_refused(rt, emu, monkeypatch):
 def test_admission_reserves_for_the_turns_still_to_come(conversation_worker, redis_server):
     tasks, rt, task, _, _ = conversation_worker
     r = redis_server.client()
-    assert rt.acquire(task) is not None
+    token = rt.acquire(task)
+    assert token is not None
     reserved = []
     for left in (3, 1):
-        assert tasks._admit(rt, task, left, 3)
+        assert tasks._admit(rt, task, token, left, 3)
         reserved.append(int(r.hget(rk.reservations("ds"), task.key).decode().split(":")[0]))
-        rt.ledger.release("ds", task.key)
+        rt.ledger.release("ds", task.key, token)
     # before any response: half of max_tokens per turn, for each turn still to come
     assert reserved == [3 * 64 // 2, 64 // 2]
 

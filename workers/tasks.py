@@ -378,7 +378,7 @@ def _store(rt: Runtime, record: ResponseRecord) -> bool:
     return False
 
 
-def _admit(rt: Runtime, task: PromptTask, turns_left: int = 1, turns: int = 1) -> bool:
+def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1, turns: int = 1) -> bool:
     """Reserve the dataset's expected tokens; False once its budget is reached (task skipped).
 
     A conversation reserves for the ``turns_left`` of its ``turns`` still to come: the dataset's
@@ -392,7 +392,7 @@ def _admit(rt: Runtime, task: PromptTask, turns_left: int = 1, turns: int = 1) -
     if budget is None:
         return True
     expected = max(1, rt.ledger.expected_tokens(task.dataset, task.settings.max_tokens * turns) * turns_left // turns)
-    verdict = rt.ledger.admit(task.dataset, task.key, budget, expected, task.settings.max_tokens * turns_left)
+    verdict = rt.ledger.admit(task.dataset, task.key, token, budget, expected, task.settings.max_tokens * turns_left)
     if verdict == ADMITTED:
         return True
     if verdict == WAIT:
@@ -500,7 +500,7 @@ def execute(task_self, payload: object) -> str:
         if rt.store.has(task.dataset, task.key) and (done := _count_existing(rt, task, set_aside=True)):
             return done
         turns, done = len(runs(task.messages)), _progress(rt, task)
-        if not _admit(rt, task, turns - len(done), turns):
+        if not _admit(rt, task, token, turns - len(done), turns):
             return "skipped"
         if task.settings.turns == "all":
             record = _conversation(rt, task, done, held_since)
@@ -530,7 +530,7 @@ def execute(task_self, payload: object) -> str:
         return "stored"
     finally:
         try:
-            rt.ledger.release(task.dataset, task.key)
+            rt.ledger.release(task.dataset, task.key, token)
         finally:  # also when Redis is away: a claim left in our set would be refreshed forever
             rt.release(task, token)
 
