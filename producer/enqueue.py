@@ -90,6 +90,7 @@ class EnqueueSummary(msgspec.Struct, kw_only=True):
     rejected: int = 0
     rejected_by_kind: dict[str, int] = {}
     quarantine_file: str | None = None
+    error: str | None = None  # the dataset gave no usable row: why (enqueue then exits 1)
 
 
 def check_manifest(store: Store, cfg: FleetConfig, ds: DatasetConfig, new_version: bool) -> DatasetManifest:
@@ -222,4 +223,36 @@ def enqueue_dataset(
     summary.rejected_by_kind = dict(kinds)
     if rejects:
         summary.quarantine_file = str(store.quarantine_path(ds.name))
+    if not summary.read:
+        summary.error = no_rows(ds, kinds, rejects, summary.quarantine_file)
     return summary
+
+
+# What each kind of rejection most likely means when it is all a dataset gave.
+_CAUSES = {
+    "not_object": "its rows are not JSON objects (one object per line, or a JSON array of objects)",
+    "bad_json": "it is not JSON Lines (a pretty-printed object, or another format; a JSON array of rows is read as "
+                "one when it starts with '[')",
+    "bad_utf8": "it is not UTF-8 text (another encoding, or a compression other than gzip/zstd)",
+    "missing_field": "no row has a prompt column the reader knows: name yours in [datasets.fields] "
+                     "(messages, prompt or instruction)",
+    "line_too_long": "its rows are over max_line_bytes: raise the dataset's max_line_bytes",
+    "not_array": "format = \"json\" names a JSON array of rows, and the file is not one",
+}
+
+
+def no_rows(ds: DatasetConfig, kinds: Counter[str], rejects: list, quarantine: str | None) -> str:
+    """Why a dataset gave no usable row, in one line: its likely cause, the first rejection, where they are kept."""
+    if not rejects:
+        return f"dataset {ds.name!r}: no rows in {ds.path}"
+    kind, count = kinds.most_common(1)[0]
+    first = next(e for e in rejects if e.kind == kind).message
+    cause = _CAUSES.get(kind)
+    counts = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items()))
+    text = f"dataset {ds.name!r}: no usable row in {ds.path} ({counts})"
+    if cause:
+        text += f"; likely cause: {cause}"
+    text += f"; first: {first}"
+    if sum(kinds.values()) > 1 or kind not in ("empty_file", "unreadable_file"):
+        text += f"; rejected rows kept in {quarantine}"
+    return text

@@ -9,9 +9,10 @@ usage, the original ``source``) is kept, so a raw export imports back as the sam
 A cut-off last line (the writer was killed mid-line) is reported and skipped; other bad lines go
 to the quarantine. Nothing already in the store is overwritten.
 
-The file is read as a dataset is (``readers.open_regular``, ``readers.jsonl_lines``): a regular
-file only (a FIFO is a clear error, not a hang), one line at a time, a line over
-``IMPORT_LINE_BYTES`` quarantined with its length and sha256, never held whole.
+The file is read as a JSONL dataset is (``readers.open_text``, ``readers.jsonl_lines``): a regular
+file only (a FIFO is a clear error, not a hang), plain or gzip/zstd-compressed, one line at a time,
+a line over ``IMPORT_LINE_BYTES`` (64 MiB, not a dataset's 4 MiB: one line holds a whole answer's
+ids and text) quarantined with its length and sha256, never held whole.
 
 The target tokenizer re-tokenizes text-only lines. When it cannot for one line (the template
 renders that prompt differently once an answer follows it, or refuses its messages with
@@ -47,7 +48,7 @@ from draftfleet.schemas.records import DatasetManifest, Message, PromptTask, Qua
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer, TemplateError, TokenizerError
 from draftfleet.producer.enqueue import prompt_messages
-from draftfleet.producer.readers import Line, PromptRow, Rejection, jsonl_lines, open_regular, parse_line, rejection
+from draftfleet.producer.readers import Line, PromptRow, Rejection, jsonl_lines, open_text, parse_line, rejection
 
 FINISH_RULES = ("max-tokens", "end-of-turn")
 IMPORT_LINE_BYTES = 64 * 1024 * 1024
@@ -237,8 +238,8 @@ def import_file(path: str | Path, ds: DatasetConfig, manifest: DatasetManifest, 
     kinds: Counter[str] = Counter()
     rejects: list[QuarantineEntry] = []
     try:
-        with open_regular(path) as fh:
-            for line in jsonl_lines(fh, str(path), max_line_bytes):
+        with open_text(path) as fh:
+            for line in jsonl_lines(fh, str(path), max_line_bytes, "import's limit"):
                 summary.lines += 1
                 got = line.entry if isinstance(line, Rejection) else _line_record(
                     line, ds, manifest, tokenizer, label, finish_rule, str(path))

@@ -5,9 +5,13 @@ prompt. ``read_prompts`` yields a ``PromptRow`` for each usable row and a ``Reje
 unusable one, whose message names file, line and field; the rejected line is kept verbatim
 (``raw``, or ``raw_b64`` when it is not UTF-8) so that nothing the user gave is lost.
 JSONL is read in binary one line at a time, never more than the line limit at once (a longer
-line is hashed and counted as it streams past, and only its first bytes are kept), and parquet
-one record batch at a time, so memory stays bounded by the limit or one batch, not the file.
-Only regular files are read: a FIFO or ``/dev/zero`` would never end.
+line is hashed and counted as it streams past, and only its first bytes are kept); a JSON array
+of rows (ShareGPT's usual ``.json``) one item at a time through ijson's event parser, an item over
+the limit dropped as it streams past; parquet one record batch at a time. Memory stays bounded by
+the limit or one batch, not the file. gzip and zstd files (``.gz``, ``.zst``, found by their magic
+bytes, not their names) are read through a decompressor fed a few KiB at a time; a truncated or
+corrupt stream is an error, never a quiet early end. Only regular files are read: a FIFO or
+``/dev/zero`` would never end.
 """
 
 from __future__ import annotations
@@ -15,25 +19,26 @@ from __future__ import annotations
 import base64
 import errno
 import hashlib
+import io
 import os
 import stat
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import ijson
 import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draftfleet.conversation import runs
-from draftfleet.schemas.config import DatasetConfig, FieldMap
+from draftfleet.schemas.config import MAX_LINE_BYTES, DatasetConfig, FieldMap
 from draftfleet.schemas.records import Message, QuarantineEntry
 
 UTF8_BOM = b"\xef\xbb\xbf"
 PARQUET_BATCH_ROWS = 1024
-MAX_LINE_BYTES = 4 * 1024 * 1024
-"""A dataset line longer than this is quarantined (its excerpt, length and sha256), never held whole."""
 EXCERPT_BYTES = 4096
 """What the quarantine keeps of a line over the limit (with the line's length and sha256)."""
 _STREAM_CHUNK = 1 << 20
@@ -86,22 +91,26 @@ class _Reject(Exception):
         self.kind, self.field, self.detail = kind, field, detail
 
 
-def read_prompts(ds: DatasetConfig, *, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[PromptRow | Rejection]:
+def read_prompts(ds: DatasetConfig, *, max_line_bytes: int | None = None) -> Iterator[PromptRow | Rejection]:
     """Yield each row of ``ds.path`` as a ``PromptRow`` or a ``Rejection``, in file order; never raises
-    for bad data. A file that cannot be read at all yields one rejection with ``line`` None."""
+    for bad data. A file that cannot be read at all yields one rejection with ``line`` None.
+    ``max_line_bytes``: default the dataset's own ``max_line_bytes``."""
     if ds.file_format == "parquet":
         yield from _read_parquet(ds)
     else:
-        yield from _read_jsonl(ds, max_line_bytes)
+        yield from _read_json(ds, max_line_bytes or ds.max_line_bytes)
 
 
 def count_rows(ds: DatasetConfig) -> int | None:
-    """A cheap total for a progress bar: lines of a JSONL file (blank ones included) or a parquet
-    file's row count from its footer; None when the file cannot be read."""
+    """A cheap total for a progress bar: lines of a plain JSONL file (blank ones included) or a parquet
+    file's row count from its footer; None when the file cannot be read, is compressed or is a JSON
+    array (counting those means reading them whole)."""
     try:
         with open_regular(ds.path) as f:
             if ds.file_format == "parquet":
                 return pq.ParquetFile(f).metadata.num_rows
+            if compression(f) or _is_array(f, ds):
+                return None
             lines, last = 0, b"\n"
             while chunk := f.read(1 << 20):
                 lines += chunk.count(b"\n")
@@ -111,7 +120,7 @@ def count_rows(ds: DatasetConfig) -> int | None:
         return None
 
 
-def open_regular(path: str | Path) -> BinaryIO:
+def open_regular(path: str | Path) -> io.BufferedReader:
     """Open a dataset file for reading, refusing anything but a regular file: a FIFO would block
     the open itself (hence O_NONBLOCK) and ``/dev/zero`` would never end."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -127,11 +136,105 @@ def open_regular(path: str | Path) -> BinaryIO:
         raise
 
 
-def jsonl_lines(f: BinaryIO, path: str, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Line | Rejection]:
+# Magic bytes of the compressions read (gzip, zstd) and of those named in a refusal.
+_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
+_UNREAD_MAGIC = {b"BZh": "bzip2-compressed", b"\xfd7zXZ\x00": "xz-compressed", b"PK\x03\x04": "a zip archive",
+                 b"PAR1": "parquet (set format = \"parquet\")"}
+
+
+def compression(f: io.BufferedReader) -> str | None:
+    """``gzip`` or ``zstd`` when the open file starts with that format's magic bytes (names lie)."""
+    head = f.peek(4)[:4]
+    return next((kind for magic, kind in _MAGIC.items() if head.startswith(magic)), None)
+
+
+def open_text(path: str | Path) -> io.BufferedReader:
+    """``open_regular``, decompressed when the file is gzip or zstd: the bytes a reader parses. A file
+    in a compression (or format) not read here is an ``OSError`` that names it."""
+    f = open_regular(path)
+    try:
+        kind = compression(f)
+        if kind:
+            return io.BufferedReader(_Inflating(f, kind), _STREAM_CHUNK)
+        head = f.peek(6)[:6]
+        other = next((k for magic, k in _UNREAD_MAGIC.items() if head.startswith(magic)), None)
+        if other:
+            raise OSError(errno.EINVAL, f"the file is {other}: datasets are read as JSON Lines, a JSON array "
+                          "or parquet, plain or gzip/zstd-compressed", str(path))
+        return f
+    except BaseException:
+        f.close()
+        raise
+
+
+_INFLATE_INPUT = 4096
+"""Compressed bytes fed to the decompressor at a time: what one call can expand is bounded by it
+(zstd's worst case is ~32,000:1), so a small compressed file cannot blow memory up."""
+
+
+class _Inflating(io.RawIOBase):
+    """A gzip or zstd file as its decompressed bytes, member after member (``cat a.gz b.gz`` and
+    multi-frame zstd are one stream). A stream that stops mid-member or holds corrupt data raises
+    ``OSError`` naming the compression, so the reader reports it instead of ending early."""
+
+    def __init__(self, f: BinaryIO, kind: str) -> None:
+        self._f, self._kind = f, kind
+        self._d = self._decompressor()
+        self._out = b""
+        self._pending = b""
+        self._mid = False  # inside a member: its end has not been seen
+        self._cut = False  # the file ended mid-member: an end reported once, then the error
+
+    def _decompressor(self):
+        if self._kind == "gzip":
+            return zlib.decompressobj(wbits=31)
+        try:
+            from compression import zstd  # Python 3.14+
+            return zstd.ZstdDecompressor()
+        except ImportError:
+            import zstandard
+            return zstandard.ZstdDecompressor().decompressobj()
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+    def readinto(self, b) -> int:
+        while not self._out:
+            if not self._pending:
+                self._pending = self._f.read(_INFLATE_INPUT)
+                if not self._pending:
+                    if self._cut:
+                        raise OSError(errno.EIO, f"the {self._kind} stream ends early: the file is truncated")
+                    self._cut = self._mid  # first an end, so the lines before the cut are read
+                    return 0
+            if not self._mid and not self._pending.strip(b"\0"):
+                self._pending = b""  # zero padding after the last member (tape-style writers)
+                continue
+            if self._d.eof:
+                self._d = self._decompressor()
+            data, self._pending = self._pending[:_INFLATE_INPUT], self._pending[_INFLATE_INPUT:]
+            try:
+                self._out = self._d.decompress(data)
+            except Exception as exc:  # zlib.error, ZstdError: the data is not what its magic promised
+                raise OSError(errno.EIO, f"corrupt {self._kind} data: {exc}") from None
+            self._mid = not self._d.eof
+            if self._d.eof:
+                self._pending = self._d.unused_data + self._pending
+        n = min(len(b), len(self._out))
+        b[:n], self._out = self._out[:n], self._out[n:]
+        return n
+
+
+def jsonl_lines(f: BinaryIO, path: str, max_line_bytes: int = MAX_LINE_BYTES,
+                limit_name: str = "the dataset's max_line_bytes") -> Iterator[Line | Rejection]:
     """The non-blank lines of an open JSONL file (``open_regular``), read bounded: a leading BOM
     skipped, a line over ``max_line_bytes`` a ``line_too_long`` rejection keeping its first bytes,
     length and sha256, a failed read an ``unreadable_file`` rejection naming the line (and the end).
-    The one line reader of datasets and of ``import``."""
+    The one line reader of datasets and of ``import``; ``limit_name`` says where the limit is set."""
     name, lineno = Path(path).name, 0
     try:
         if f.peek(len(UTF8_BOM))[:len(UTF8_BOM)] == UTF8_BOM:
@@ -139,7 +242,7 @@ def jsonl_lines(f: BinaryIO, path: str, max_line_bytes: int = MAX_LINE_BYTES) ->
         for lineno, (line, size, digest, ended) in enumerate(_lines(f, max_line_bytes), 1):
             where = f"{name}:{lineno}"
             if size is not None:
-                detail = (f"line is {size} bytes, over the limit of {max_line_bytes} (max_line_bytes); "
+                detail = (f"line is {size} bytes, over the limit of {max_line_bytes} ({limit_name}); "
                           f"kept: its first {len(line)} bytes, its length and sha256")
                 yield _rejection(path, where, lineno, "line_too_long", detail, raw=_utf8_prefix(line),
                                  line_bytes=size, line_sha256=digest)
@@ -184,22 +287,148 @@ def _utf8_prefix(excerpt: bytes) -> bytes:
     return excerpt
 
 
-def _read_jsonl(ds: DatasetConfig, max_line_bytes: int) -> Iterator[PromptRow | Rejection]:
+def _is_array(f: io.BufferedReader, ds: DatasetConfig) -> bool:
+    """Whether the file is one JSON array of rows: ``format = "json"``; with no format, a name that is
+    not ``.jsonl``/``.ndjson`` (compressed or not) and a first byte, after a BOM and blanks, of ``[``
+    (a JSONL row is an object, and many ``.json`` files are JSON Lines)."""
+    if ds.format in ("json", "jsonl"):
+        return ds.format == "json"
+    name = Path(ds.path).name.removesuffix(".gz").removesuffix(".zst")
+    if name.endswith((".jsonl", ".ndjson")):
+        return False
+    head = f.peek(_STREAM_CHUNK)[:_STREAM_CHUNK]
+    return head.removeprefix(UTF8_BOM).lstrip(b" \t\r\n")[:1] == b"["
+
+
+def _read_json(ds: DatasetConfig, max_line_bytes: int) -> Iterator[PromptRow | Rejection]:
+    """JSON Lines or a JSON array of rows, plain or compressed; a dataset with no content is one
+    ``empty_file`` rejection."""
     name = Path(ds.path).name
     try:
-        f = open_regular(ds.path)
+        f = open_text(ds.path)
+        array = _is_array(f, ds)
     except OSError as exc:
         yield _rejection(ds.path, name, None, "unreadable_file", f"cannot read {ds.path}: {exc.strerror or exc}")
         return
-    content_lines = 0
+    content = 0
     with f:
-        for item in jsonl_lines(f, ds.path, max_line_bytes):
-            yield _jsonl_row(item.data, ds, item.where, item.lineno) if isinstance(item, Line) else item
+        items = _array_rows(f, ds, max_line_bytes) if array else (
+            _jsonl_row(item.data, ds, item.where, item.lineno) if isinstance(item, Line) else item
+            for item in jsonl_lines(f, ds.path, max_line_bytes))
+        for item in items:
+            yield item
             if isinstance(item, Rejection) and item.entry.kind == "unreadable_file":
                 return  # a read failed: what follows is unknown, not empty
-            content_lines += 1
-    if not content_lines:
-        yield _rejection(ds.path, name, None, "empty_file", "no rows: the file is empty or holds only blank lines")
+            content += 1
+    if not content:
+        what = "an empty JSON array" if array else "the file is empty or holds only blank lines"
+        yield _rejection(ds.path, name, None, "empty_file", f"no rows: {what}")
+
+
+class _Counted:
+    """A file that counts the bytes read from it, and refuses to read on once one JSON value has
+    grown past ``limit`` since ``mark`` (ijson holds a whole string before it yields it)."""
+
+    def __init__(self, f: BinaryIO, limit: int) -> None:
+        self._f, self._limit = f, limit
+        self.n = self.mark = 0
+
+    def read(self, size: int = -1) -> bytes:
+        if self.n - self.mark > self._limit:
+            raise _ValueTooLong(self.n - self.mark)
+        data = self._f.read(size)
+        self.n += len(data)
+        return data
+
+
+class _ValueTooLong(Exception):
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+_ARRAY_BUFFER = 64 * 1024
+"""ijson's read size at most: what a byte count measured at an event can be ahead of the parser."""
+
+
+def _array_rows(f: BinaryIO, ds: DatasetConfig, limit: int) -> Iterator[PromptRow | Rejection]:
+    """Each item of a JSON array of rows, built from ijson's events one item at a time: an item
+    over ``limit`` bytes stops being built as it streams past (a ``line_too_long`` rejection with its
+    approximate size), and a single value over it ends the read (the parser would hold it whole).
+    Items are named ``<file>:item<i>`` from 0, as parquet rows are ``row<i>``."""
+    name, path = Path(ds.path).name, ds.path
+    if f.peek(len(UTF8_BOM))[:len(UTF8_BOM)] == UTF8_BOM:
+        f.read(len(UTF8_BOM))
+    buf = min(_ARRAY_BUFFER, max(1024, limit // 16))
+    counted = _Counted(f, limit + 2 * buf)
+    events = ijson.basic_parse(counted, use_float=True, buf_size=buf)
+    index, depth, builder, start = -1, 0, None, 0
+    try:
+        first = next(events, None)
+        if first is None:
+            return
+        if first[0] != "start_array":
+            detail = (f"expected a JSON array of rows (format = \"json\"), the file starts with a JSON "
+                      f"{'object' if first[0] == 'start_map' else 'value'}")
+            yield _rejection(path, name, None, "not_array", detail)
+            return
+        for event, value in events:
+            counted.mark = counted.n
+            if depth == 0:
+                if event == "end_array":
+                    break
+                index += 1
+                builder, start = ijson.ObjectBuilder(), counted.n
+            if event in ("start_map", "start_array"):
+                depth += 1
+            elif event in ("end_map", "end_array"):
+                depth -= 1
+            if builder is not None:
+                builder.event(event, value)
+                if counted.n - start > limit + buf:
+                    builder = None  # over the limit: skip the rest of this item
+            if depth == 0:
+                where = f"{name}:item{index}"
+                if builder is None:
+                    detail = (f"item is about {counted.n - start} bytes, over the limit of {limit} "
+                              "(the dataset's max_line_bytes); not kept")
+                    yield _rejection(path, where, index, "line_too_long", detail, line_bytes=counted.n - start)
+                else:
+                    yield _array_row(builder.value, ds, where, index)
+                builder = None
+        for _ in events:  # anything after the array is an error the parser raises
+            pass
+    except _ValueTooLong as exc:
+        detail = (f"item {index} holds one value over the limit of {limit} bytes (the dataset's max_line_bytes), "
+                  "which the parser would hold whole; the rest of the file is not read")
+        yield _rejection(path, f"{name}:item{index}", index, "line_too_long", detail, line_bytes=exc.size)
+    except ijson.JSONError as exc:
+        try:
+            f.read(1)  # a compressed file cut short says so on the read after its end
+        except OSError as cut:
+            yield _rejection(path, f"{name}:item{index + 1}", index + 1, "unreadable_file", f"read failed: {cut.strerror}")
+            return
+        at = index if depth else index + 1  # the item the error is in, or the one that would follow
+        after = f"in item {index}" if depth else f"after item {index}" if index >= 0 else "at its start"
+        hint = ("; if the file is JSON Lines whose first line is an array, set format = \"jsonl\""
+                if not depth and index >= 0 else "")
+        why = str(exc).strip().splitlines()[0]  # yajl adds the text around the error on further lines
+        detail = f"invalid JSON {after} (near byte {counted.n}): {why}; the items before it are read, the rest is not{hint}"
+        yield _rejection(path, f"{name}:item{at}", at, "bad_json", detail)
+    except OSError as exc:
+        where = f"{name}:item{index + 1}"
+        yield _rejection(path, where, index + 1, "unreadable_file", f"read failed: {exc.strerror or exc}")
+
+
+def _array_row(row: Any, ds: DatasetConfig, where: str, index: int) -> PromptRow | Rejection:
+    """One array item's prompt; a rejected item keeps its JSON (re-encoded: the parser keeps no bytes)."""
+    if not isinstance(row, dict):
+        return _rejection(ds.path, where, index, "not_object", f"expected a JSON object per item, got {_type(row)}",
+                          raw=msgspec.json.encode(row))
+    try:
+        return _prompt_row(row, ds.fields, where, ds.turns == "all")
+    except _Reject as r:
+        return _rejection(ds.path, where, index, r.kind, r.detail, field=r.field, raw=msgspec.json.encode(row))
 
 
 def _jsonl_row(line: bytes, ds: DatasetConfig, where: str, lineno: int) -> PromptRow | Rejection:

@@ -16,6 +16,8 @@ import msgspec
 
 from draftfleet.schemas.records import GenerationSettings
 
+MAX_LINE_BYTES = 4 * 1024 * 1024
+"""``[[datasets]].max_line_bytes``'s default: a dataset line or JSON-array item over it is quarantined."""
 MAX_RETRY_WAIT_S = 600.0  # the longest a server's Retry-After is honoured between two attempts
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -64,7 +66,9 @@ class FieldMap(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class DatasetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     path: str
-    format: Literal["jsonl", "parquet"] | None = None
+    # None: parquet by the name (.parquet, .pq), else JSON read by its content: a JSON array when it
+    # starts with "[", JSON Lines otherwise; gzip and zstd by their magic bytes.
+    format: Literal["jsonl", "json", "parquet"] | None = None
     fields: FieldMap = msgspec.field(default_factory=FieldMap)
     budget_tokens: int | None = None
     max_tokens: int = 4096
@@ -74,6 +78,8 @@ class DatasetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # "all": regenerate every assistant turn of a conversation, one task per conversation (README,
     # "Multi-turn datasets"); "first": answer the turns before the first assistant turn only.
     turns: Literal["first", "all"] = "first"
+    # A line (or array item) over this is quarantined, never held whole (producer/readers.py).
+    max_line_bytes: int = MAX_LINE_BYTES
 
     def settings(self, model: str) -> GenerationSettings:
         return GenerationSettings(
@@ -291,6 +297,8 @@ def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
         seen.add(ds.name)
         if ds.max_tokens <= 0:
             raise ConfigError(f"{where}.max_tokens: must be positive")
+        if ds.max_line_bytes < 1024:
+            raise ConfigError(f"{where}.max_line_bytes: must be at least 1024")
         if ds.budget_tokens is not None and ds.budget_tokens <= 0:
             raise ConfigError(f"{where}.budget_tokens: must be positive")
         if not 0.0 <= ds.temperature <= 2.0:

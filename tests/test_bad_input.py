@@ -65,8 +65,12 @@ def test_bad_input_corpus_through_enqueue(tmp_path, redis_server, tokenizer_dir)
     config = write_config(tmp_path, tokenizer=tokenizer_dir,
                           datasets=[{"name": n, "path": str(data / f), "max_tokens": 16} for n, f in files.items()])
     res = run_cli("enqueue", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr  # seven datasets gave no usable row: each an error with its cause
     summary = {s["dataset"]: s for s in json.loads(res.stdout)}
+    unusable = {"folder", "empty", "blank", "wrongcols", "cut", "fake", "zero"}
+    assert {n for n, s in summary.items() if s["error"]} == unusable
+    for name in unusable:
+        assert f"error: dataset '{name}': no usable row in {data / files[name]}" in res.stderr
     store = Store(load_config(config).fleet.store)
     r = redis_server.client()
 
@@ -109,7 +113,7 @@ def test_bad_input_corpus_through_enqueue(tmp_path, redis_server, tokenizer_dir)
     # as an operator sees it: each rejection on stderr with file and line; a re-run queues nothing
     # more and keeps each rejection once in the quarantine files (a re-run adds no copies)
     res = run_cli("enqueue", "--config", str(config), "--show-rejects", "1000", env={"REDIS_URL": redis_server.url})
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr
     shown = [x for x in res.stderr.splitlines() if x.startswith("rejected ")]
     assert sum(f" lines.jsonl:{line}: " in f" {x[9:]}" for x in shown for line, *_ in expect_lines) == len(expect_lines)
     assert any("folder.jsonl" in x for x in shown) and any("cut.parquet: " in x for x in shown)

@@ -272,7 +272,7 @@ def test_enqueue_of_a_fifo_ends_with_a_clear_error(tmp_path, tokenizer_dir, redi
                       timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("enqueue hung on a FIFO / /dev/zero")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr  # no usable row: an error, with the reason
     assert f"cannot read {fifo}: a FIFO, not a regular file" in res.stderr
     assert "cannot read /dev/zero: a character device, not a regular file" in res.stderr
     assert time.monotonic() - started < 60

@@ -42,6 +42,10 @@ def cmd_enqueue(args) -> int:
         summaries, status = each_dataset(args.dataset or [d.name for d in cfg.datasets], EnqueueError, enqueue)
     import msgspec
 
+    for s in summaries:  # a dataset that gave no usable row is an error, its likely cause named
+        if s.error:
+            err.print(f"[red]error[/]: {escape(s.error)}", highlight=False)
+            status = 1
     if args.json:
         print(msgspec.json.encode(summaries).decode())
         return status
