@@ -8,6 +8,10 @@ holder has taken since; a claim released while the beat ran is deleted again, so
 hold the unit from every worker for a TTL. A release deletes the claim only under its own token.
 A dead worker's claims lapse after at most ``CLAIM_TTL_S``; ``recovery.py``, run by every live
 worker's beat, then gives its messages back to their queues.
+
+What runs now is shown without waiting for a beat: :meth:`Claims.show_running`, called twice a
+second, publishes the worker's report again only when its in-flight counts changed, so a worker
+costs Redis at most one write per call however many requests start and end meanwhile.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Claims:
         self._lock = threading.Lock()
         self._held: set[tuple[str, str]] = set()  # (claim key, the holding task's token)
         self.inflight: dict[str, int] = {}  # dataset -> tasks holding a claim
+        self._publish = threading.Lock()  # one report written at a time: the last one is the newest
+        self._report: WorkerReport | None = None  # the report last published
 
     def acquire(self, key: str, dataset: str) -> str | None:
         """Claim ``key`` for one task of ``dataset``: its token, or None when another task holds it."""
@@ -97,14 +103,16 @@ class Claims:
         now (``draftfleet status`` reads it; its TTL of three beats drops a killed worker), then
         give a dead worker's messages back (``recovery.py``). ``mark_state`` sets ``rk.STATE``
         after the claims: once it is back, so are they (``queues.await_lost_claims``)."""
-        report = msgspec.structs.replace(report, inflight=self.running(), pid=os.getpid(), at=time.time())
         try:
-            pipe = self.r.pipeline(transaction=False)
-            with self.refreshing(pipe):
-                if mark_state:
-                    pipe.set(rk.STATE, 1)
-                pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
-                pipe.execute()
+            with self._publish:
+                report = msgspec.structs.replace(report, inflight=self.running(), pid=os.getpid(), at=time.time())
+                pipe = self.r.pipeline(transaction=False)
+                with self.refreshing(pipe):
+                    if mark_state:
+                        pipe.set(rk.STATE, 1)
+                    pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
+                    pipe.execute()
+                self._report = report
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
             return
@@ -115,6 +123,21 @@ class Claims:
             return
         if restored:
             log.warning("gave %d message(s) held by no live worker back to their queues", restored)
+
+    def show_running(self) -> bool:
+        """Publish the last report again with what runs now, if that changed since it was written
+        (one SET, none when nothing changed); whether it wrote. Claims and recovery stay the beat's."""
+        with self._publish:
+            last, running = self._report, self.running()
+            if last is None or running == last.inflight:
+                return False
+            report = msgspec.structs.replace(last, inflight=running, at=time.time())
+            try:
+                self.r.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
+            except redis.RedisError:
+                return False  # the next call (or beat) tries again
+            self._report = report
+            return True
 
     def withdraw(self) -> None:
         """Take the worker's report down on a clean stop (``status`` drops it at once, not at its TTL)."""

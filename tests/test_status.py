@@ -7,14 +7,18 @@ import json
 import time
 
 import msgspec
+import pytest
 from rich.console import Console
 
 from draftfleet import redis_keys as rk
 from draftfleet.ledger import Ledger
 from draftfleet.schemas.config import load_config
-from draftfleet.views.status import BackendRow, DatasetRow, Snapshot, SpendRow, WorkerRow, render, snapshot
+from draftfleet.store import Store
+from draftfleet.views.status import (BackendRow, DatasetRow, Snapshot, SpendRow, WorkerRow, render, snapshot,
+                                     worker_reports)
 
-from tests.conftest import run_cli, write_config, write_jsonl
+from tests.conftest import run_cli, wait_until, write_config, write_jsonl
+from tests.test_fleet import _chat_rows, _enqueue
 from tests.test_inventory import _rec
 
 
@@ -98,3 +102,39 @@ def test_status_cli_piped_and_for_one_dataset(tmp_path, redis_server, tokenizer_
     res = run_cli("status", "--config", str(config), "--dataset", "nope", env=env)
     assert res.returncode != 0 and "nope" in res.stderr
     assert msgspec.json.decode(run_cli("status", "--config", str(config), "--json", env=env).stdout)["datasets"]
+
+
+@pytest.mark.slow
+def test_in_flight_is_shown_within_a_second_not_at_the_next_heartbeat(tmp_path, redis_server, tokenizer_dir,
+                                                                       emulator_factory, workers):
+    """A GPU worker (production claim TTL: heartbeats 20 s apart) opens 64 requests of ~4 s: status
+    shows 64 in flight within a second of the server holding them, and 0 within a second of the
+    last one ending. Before, the count came only with the heartbeat: 0 for the first 20 s."""
+    emu = emulator_factory(single_stream_tps=50, ceiling_tps=1_000_000, length="fixed:200", ttft_s=0.0)
+    data = write_jsonl(tmp_path / "d.jsonl", _chat_rows(64))
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url, inflight=64,
+                          datasets=[{"name": "ds", "path": str(data), "max_tokens": 256}])
+    cfg = load_config(config)
+    r = redis_server.client()
+    workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url, env={"DRAFTFLEET_CLAIM_TTL_S": "120"})
+    wait_until(lambda: worker_reports(r), 60, 0.1, workers.logs())
+    _enqueue(config, redis_server.url)
+
+    def shown_within(count: int, started: float) -> float:
+        while True:
+            snap = snapshot(cfg, r, ["ds"])
+            if [w.inflight for w in snap.workers] == [count] and snap.datasets[0].inflight == count:
+                return time.monotonic() - started
+            assert time.monotonic() - started < 10, (count, snap.workers, workers.logs())
+            time.sleep(0.05)
+
+    wait_until(lambda: emu.stats()["open"] == 64, 30, 0.02, workers.logs())
+    rise = shown_within(64, time.monotonic())
+    store = Store(cfg.fleet.store)
+    wait_until(lambda: len(store.keys("ds")) == 64 and not list(r.scan_iter(rk.claim("ds", "*"))), 60, 0.02,
+               workers.logs())
+    fall = shown_within(0, time.monotonic())
+    print(f"\nin flight shown {rise:.2f} s after the server held 64, 0 shown {fall:.2f} s after the last ended")
+    assert rise <= 1.0 and fall <= 1.0
+    res = run_cli("status", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
+    assert [w["inflight"] for w in json.loads(res.stdout)["workers"]] == [0]

@@ -110,7 +110,8 @@ class Runtime:
 
     def _beat(self) -> None:
         """A heartbeat every HEARTBEAT_S, and at once when Redis lost its state (``rk.STATE`` gone), so
-        that the claims are back before an enqueue into the emptied Redis decides what to send again."""
+        that the claims are back before an enqueue into the emptied Redis decides what to send again.
+        In between, what runs now reaches the report within ``STATE_POLL_S`` when it changed."""
         due = time.monotonic() + HEARTBEAT_S
         while not self._stop.wait(rk.STATE_POLL_S):
             try:
@@ -120,6 +121,8 @@ class Runtime:
             if lost or time.monotonic() >= due:
                 self.heartbeat()
                 due = time.monotonic() + HEARTBEAT_S
+            else:
+                self.claims.show_running()
 
     def heartbeat(self) -> None:
         """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""
