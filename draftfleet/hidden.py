@@ -7,7 +7,9 @@ Layout under the store root (beside the records, never inside a dataset's shards
 
 The unit is (record key, turn index): a single-turn record has turn 0; a conversation one file
 per regenerated turn. A file holds ``token_ids`` int64 [T] (the turn's prompt ids then its
-output ids, as stored) and ``hidden_states`` bf16 [T, L, H]: the auxiliary layers in ascending
+output ids, as stored) and ``hidden_states`` [T, L, H] in the version's dtype: bf16, or float8
+e4m3 with ``hidden_states_scales`` float32 [T, 1, 1] (one scale per token, amax / 448, the layout
+speculators' hs-connectors reads and dequantizes as ``fp8.to(bf16) * scale``). The auxiliary layers in ascending
 order, then the last layer's output BEFORE the final norm (vLLM/speculators layer ids, where id k
 is the residual stream entering decoder layer k and id N the last layer's output; FORMATS.md,
 "Hidden states"). That is speculators' own per-row layout, so its export is a copy; SpecForge's
@@ -16,7 +18,7 @@ state is the one kept). The header metadata names the key, turn and prompt lengt
 
 Files are written like records: temp file, fsync, ``link`` (fails if the target exists), so of
 two workers capturing the same unit exactly one file is stored. A version holds one capture
-setting (model identity and layer ids); other settings need a new version (``--new-version``).
+setting (model identity, layer ids, dtype); other settings need a new version (``--new-version``).
 
 safetensors is written and read here with numpy: numpy has no bfloat16, so bf16 tensors travel
 as their uint16 bit patterns (the file format is the same: 8-byte header length, JSON header,
@@ -46,7 +48,10 @@ from draftfleet.tokenizer import TargetTokenizer, TokenizerError
 HIDDEN_DIR = "_hidden"
 MANIFEST = "capture.json"
 _FILE_RE = re.compile(r"^([0-9a-f]{64})\.(\d+)\.safetensors$")
-_DTYPES = {"BF16": np.uint16, "I64": np.int64, "F32": np.float32, "I32": np.int32, "F16": np.float16}
+_DTYPES = {"BF16": np.uint16, "F8_E4M3": np.uint8, "I64": np.int64, "F32": np.float32, "I32": np.int32,
+           "F16": np.float16}
+DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}  # [capture] dtype -> the manifest's (torch's name)
+SCALES = "hidden_states_scales"  # hs-connectors' name of the fp8 files' per-token scales
 _manifest_decoder = msgspec.json.Decoder(CaptureManifest)
 # Where transformers checkpoints keep the final norm (text models; multimodal ones such as Kimi-K2.5)
 FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
@@ -70,6 +75,7 @@ class TargetModel(msgspec.Struct, frozen=True, kw_only=True):
     hidden_size: int
     rms_norm_eps: float
     config_sha256: str
+    vocab_size: int = 0  # 0: config.json names none
 
     @classmethod
     def load(cls, path: str | Path) -> TargetModel:
@@ -82,7 +88,8 @@ class TargetModel(msgspec.Struct, frozen=True, kw_only=True):
         text = cfg.get("text_config") or cfg  # multimodal targets (Kimi-K2.5) nest the language model
         try:
             return cls(path=str(path), num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
-                       rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), config_sha256=hashlib.sha256(raw).hexdigest())
+                       rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), config_sha256=hashlib.sha256(raw).hexdigest(),
+                       vocab_size=int(text.get("vocab_size") or 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise CaptureError(f"{p}: no num_hidden_layers/hidden_size ({exc})") from None
 
@@ -152,7 +159,9 @@ def record_units(rec: ResponseRecord, tok: TargetTokenizer) -> list[tuple[list[i
 
 
 def bytes_per_token(manifest: CaptureManifest) -> int:
-    return len(manifest.layer_ids) * manifest.hidden_size * 2 + 8
+    """What a token costs on disk in the version's dtype: its states, fp8's scale, its int64 id."""
+    states = len(manifest.layer_ids) * manifest.hidden_size
+    return (states + 4 if manifest.dtype == "float8_e4m3fn" else states * 2) + 8
 
 
 # -- bfloat16 and safetensors with numpy -------------------------------------------------------
@@ -164,6 +173,22 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round to nearest even, as torch's ``.to(torch.bfloat16)`` does (finite values)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _fp8_table() -> np.ndarray:
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    mag = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7))
+    return np.where((b & 0x7F) == 0x7F, np.nan, sign * mag).astype(np.float32)  # e4m3fn: no inf, NaN = S.1111.111
+
+
+_FP8 = _fp8_table()
+
+
+def fp8_to_f32(bits: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn bit patterns (uint8) to float32."""
+    return _FP8[bits]
 
 
 def _header(path: Path) -> tuple[dict, int]:
@@ -185,8 +210,8 @@ def _read_tensor(path: Path, info: dict, offset: int) -> np.ndarray:
 
 def read_safetensors(path: str | Path, names: tuple[str, ...] | None = None
                      ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
-    """``{name: (dtype, array)}`` (only ``names`` when given) and the metadata; BF16 arrays come as
-    uint16 bit patterns."""
+    """``{name: (dtype, array)}`` (only ``names`` when given) and the metadata; BF16 and F8_E4M3
+    arrays come as their bit patterns (uint16, uint8)."""
     path = Path(path)
     header, offset = _header(path)
     meta = header.pop("__metadata__", None) or {}

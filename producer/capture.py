@@ -5,9 +5,9 @@ capture version is done; every other one is queued, unless its task already wait
 Re-running it is the resume, also after a worker died holding tasks or Redis lost its queues
 (a unit queued twice is harmless: the store keeps one file).
 
-A capture version records the target model (its ``config.json`` hash), the layer ids and the
-hidden size. Asking for other settings than the latest version's is refused unless
-``new_version``: files made with two settings would train a drafter on a mix.
+A capture version records the target model (its ``config.json`` hash), the layer ids, the
+hidden size and the dtype. Asking for other settings than the latest version's is refused unless
+``new_version``: files made with two settings (bf16 and fp8 among them) would train a drafter on a mix.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from celery import Celery
 
 from draftfleet import redis_keys as rk
 from draftfleet.conversation import record_turns
-from draftfleet.hidden import CaptureError, HiddenStore, bytes_per_token, capture_settings
+from draftfleet.hidden import DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings
 from draftfleet.producer.enqueue import PUBLISH_BATCH, TaskSender
 from draftfleet.queues import waiting_ids
 from draftfleet.schemas.config import FleetConfig
@@ -33,6 +33,7 @@ class CaptureSummary(msgspec.Struct, kw_only=True):
     dataset: str
     version: int
     layer_ids: list[int]
+    dtype: str  # the version's: bfloat16 or float8_e4m3fn
     units: int  # record turns of the dataset with output ids
     done: int  # of them with a file already
     queued: int
@@ -47,14 +48,14 @@ def existing_version(hidden: HiddenStore, wanted: CaptureManifest, new_version: 
     current = hidden.manifest(wanted.dataset)
     if current is None or new_version:
         return None
-    if (current.model_config_sha256, current.layer_ids, current.hidden_size) == (
-            wanted.model_config_sha256, wanted.layer_ids, wanted.hidden_size):
+    if (current.model_config_sha256, current.layer_ids, current.hidden_size, current.dtype) == (
+            wanted.model_config_sha256, wanted.layer_ids, wanted.hidden_size, wanted.dtype):
         return current
     raise CaptureError(
-        f"{wanted.dataset}: capture version {current.version} holds layers {current.layer_ids} of a model with "
-        f"config sha256 {current.model_config_sha256[:12]} (hidden {current.hidden_size}); this config asks for "
-        f"layers {wanted.layer_ids} of {wanted.model_config_sha256[:12]} (hidden {wanted.hidden_size}): pass "
-        f"--new-version to start version {current.version + 1}")
+        f"{wanted.dataset}: capture version {current.version} holds {current.dtype} layers {current.layer_ids} of a "
+        f"model with config sha256 {current.model_config_sha256[:12]} (hidden {current.hidden_size}); this config "
+        f"asks for {wanted.dtype} layers {wanted.layer_ids} of {wanted.model_config_sha256[:12]} (hidden "
+        f"{wanted.hidden_size}): pass --new-version to start version {current.version + 1}")
 
 
 def start_version(hidden: HiddenStore, wanted: CaptureManifest) -> CaptureManifest:
@@ -72,7 +73,7 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
     hidden = HiddenStore(store)
     wanted = CaptureManifest(dataset=dataset, version=0, model=cfg.fleet.model, model_config_sha256=model.config_sha256,
                              num_layers=model.num_layers, hidden_size=model.hidden_size, layer_ids=layer_ids,
-                             created_at=time.time())
+                             dtype=DTYPES[cfg.capture.dtype], created_at=time.time())
     existing = existing_version(hidden, wanted, new_version)
     pending: list[tuple[CaptureTask, int]] = []
     units = done = 0
@@ -110,6 +111,6 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
     r.delete(rk.capture_progress(dataset))
     r.hset(rk.capture_progress(dataset), mapping={"version": m.version, "units": units, "done": done,
                                                   "queued": queued + already, "captured": 0, "failed": 0})
-    return CaptureSummary(dataset=dataset, version=m.version, layer_ids=m.layer_ids, units=units, done=done,
+    return CaptureSummary(dataset=dataset, version=m.version, layer_ids=m.layer_ids, dtype=m.dtype, units=units, done=done,
                           queued=queued, already_queued=already, tokens_to_capture=tokens, bytes_estimate=need,
                           free_bytes=free)

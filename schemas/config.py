@@ -176,13 +176,16 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``aux_layers`` are vLLM's ids (k: the residual stream entering decoder layer k), default the
     trainers' [2, N/2, N-3]. ``storage_path`` is where the engine's connector writes each request's
     file before the worker moves it into the store: a folder both can reach (default
-    ``<store>/_hidden/_incoming``).
+    ``<store>/_hidden/_incoming``). ``dtype``: ``bf16`` (the states as the engine computes them) or
+    ``fp8`` (float8 e4m3 with one float32 scale per token, speculators' hs-connectors layout: about
+    half the bytes; README "Hidden states" has what it costs the teacher).
     """
 
     model_path: str | None = None
     aux_layers: list[int] | None = None
     inflight: int = 16
     storage_path: str | None = None
+    dtype: Literal["bf16", "fp8"] = "bf16"
 
 
 class FleetConfig(msgspec.Struct, kw_only=True):

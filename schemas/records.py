@@ -256,5 +256,5 @@ class CaptureManifest(msgspec.Struct, frozen=True, kw_only=True):
     num_layers: int
     hidden_size: int
     layer_ids: list[int]
-    dtype: Literal["bfloat16"] = "bfloat16"
+    dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"  # float8: + a float32 scale per token
     created_at: float

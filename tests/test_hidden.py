@@ -115,6 +115,49 @@ def test_capture_versions_refuse_other_settings_and_space(tmp_path, tokenizer_di
     assert (v2.version, v2.layer_ids, v2.done) == (2, [1, 3, 5, 8], 0)
     assert hidden.manifest("ds", 1).layer_ids == [2, 4, 5, 8] and hidden.manifest("ds").version == 2
 
+    # fp8 files beside bf16 ones would train on a mix: a dtype change is a new version too
+    fp8 = msgspec.structs.replace(other, capture=msgspec.structs.replace(other.capture, dtype="fp8"))
+    with pytest.raises(CaptureError, match="holds bfloat16 .* asks for float8_e4m3fn .* --new-version"):
+        queue_capture(fp8, store, app, r, "ds")
+    v3 = queue_capture(fp8, store, app, r, "ds", new_version=True)
+    assert (v3.version, v3.dtype) == (3, "float8_e4m3fn") and hidden.manifest("ds", 3).dtype == "float8_e4m3fn"
+    assert v3.bytes_estimate == 30 * (4 * 128 + 4 + 8) and hidden.manifest("ds", 2).dtype == "bfloat16"
+
+
+def _fp8_unit(t: int = 3, nan: bool = False):
+    from draftfleet.schemas.records import CaptureManifest
+    from draftfleet.workers.capture import Captured
+
+    m = CaptureManifest(dataset="ds", version=1, model="m", model_config_sha256="0" * 64, num_layers=8, hidden_size=4,
+                        layer_ids=[2, 4, 5, 8], dtype="float8_e4m3fn", created_at=0.0)
+    states = np.full((t, 4, 4), 0x38, dtype=np.uint8)  # 1.0 in e4m3
+    if nan:
+        states[1, 2, 3] = 0xFF
+    return m, Captured(np.arange(t, dtype=np.int64), "float8_e4m3fn", states, ("F32", np.full((t, 1, 1), 0.5, np.float32)))
+
+
+def test_fp8_states_are_checked_like_bf16_ones():
+    from draftfleet.workers.backends import Halt, Permanent
+    from draftfleet.workers.capture import check_states
+
+    m, got = _fp8_unit()
+    check_states([0, 1, 2], got, m)
+    with pytest.raises(Permanent, match="NaN"):
+        check_states([0, 1, 2], _fp8_unit(nan=True)[1], m)
+    with pytest.raises(Halt, match="hidden_states_scales"):
+        check_states([0, 1, 2], got._replace(scales=None), m)
+    with pytest.raises(Permanent, match="bad scale"):
+        check_states([0, 1, 2], got._replace(scales=("F32", np.zeros((3, 1, 1), np.float32))), m)
+    with pytest.raises(Halt, match="the engine wrote bfloat16 states, the version holds float8_e4m3fn"):
+        check_states([0, 1, 2], got._replace(dtype="bfloat16", states=got.states.astype(np.uint16)), m)
+
+
+def test_fp8_bits_decode_as_e4m3fn():
+    from draftfleet.hidden import fp8_to_f32
+
+    got = fp8_to_f32(np.array([0x38, 0x7E, 0xFE, 0x01, 0x08, 0x3C, 0x00, 0x80, 0x7F], dtype=np.uint8))
+    assert got[:8].tolist() == [1.0, 448.0, -448.0, 2.0**-9, 2.0**-6, 1.5, 0.0, -0.0] and np.isnan(got[8])
+
 
 def test_capture_refuses_more_than_the_free_space(tmp_path, tokenizer_dir, redis_server):
     cfg, store = _fleet(tmp_path, tokenizer_dir, hidden=2**40)  # ~2^43 bytes a token
@@ -149,6 +192,13 @@ def test_speculators_layout_links_the_files_and_aligns_the_rows(tmp_path):
     assert table.column("input_ids").to_pylist() == [f[1] for f in files] and table.column("seq_len").to_pylist() == [2, 3, 4]
     assert table.column("loss_mask").to_pylist() == [f[2] for f in files]
     assert json.loads((out / "state.json").read_text())["_format_type"] == "torch"
+
+
+def test_vocabulary_counts_only_the_loss_masked_positions():
+    from draftfleet.export.features import token_counts
+
+    rows = [("a", [5, 6, 7, 7], [0, 0, 1, 1], "f", 2), ("b", [7, 5, 9], [0, 1, 1], "g", 1)]
+    assert token_counts(rows) == {7: 2, 5: 1, 9: 1}  # the prompts' 5, 6 and 7 are not counted
 
 
 def test_units_are_every_turn_with_its_stored_prompt_ids(target_tokenizer):

@@ -5,8 +5,9 @@ the dataset's capture version; ``draftfleet worker capture`` runs them against a
 started with ``extract_hidden_states`` and the fleet's connector (``vllm_connector.py``). The
 prompt sent is the turn's stored prompt ids followed by its output ids, never text, with
 ``max_tokens`` 1: vLLM's prefill computes the state of every one of those tokens, and the
-connector writes them (the one generated token is thrown away). The worker checks the file
-holds exactly the ids sent, the version's layers and hidden size, and only finite values, then
+connector writes them (the one generated token is thrown away), in the version's dtype (bf16,
+or fp8 with a scale per token, quantized by the connector). The worker checks the file holds
+exactly the ids sent, the version's layers, hidden size and dtype, and only finite values, then
 stores it write-once (``hidden.py``) and deletes the engine's copy.
 
 Delivery is at-least-once, like generation: a message is acknowledged after the file is stored
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -37,8 +39,8 @@ from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
 from draftfleet.claims import HEARTBEAT_S, Claims
-from draftfleet.hidden import (CaptureError, HiddenStore, capture_settings, encode_safetensors, read_safetensors,
-                               record_units, storage_path)
+from draftfleet.hidden import (DTYPES, SCALES, CaptureError, HiddenStore, capture_settings, encode_safetensors,
+                               read_safetensors, record_units, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
 from draftfleet.schemas.records import CaptureManifest, CaptureTask, WorkerReport
 from draftfleet.store import Store, StoreError, check_key, check_name
@@ -55,13 +57,13 @@ FILE_WAIT_S = 120.0  # the connector writes the file after the answer: how long 
 INFRA_RETRY_S = 5.0
 
 
-def engine_args(layer_ids: list[int], storage_path: str) -> list[str]:
+def engine_args(layer_ids: list[int], storage_path: str, dtype: str = "bf16") -> list[str]:
     """The ``vllm serve`` flags of a capture server: the extraction method asked for the layer
-    ids, and the fleet's connector writing under ``storage_path``."""
+    ids, and the fleet's connector writing under ``storage_path`` in ``dtype`` (``bf16``, ``fp8``)."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
     kv = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": storage_path}}
+          "kv_connector_extra_config": {"shared_storage_path": storage_path, "dtype": dtype}}
     # No prefix caching: every state of a request is computed for it, none taken from an earlier one.
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
 
@@ -89,7 +91,7 @@ def connector_path(folder: str | Path) -> str:
 
 
 def capture_server(launch: VLLMLaunch, gpus: list[int], port: int, layer_ids: list[int], storage_path: str,
-                   env: dict[str, str] | None = None, log_path: str | Path | None = None):
+                   env: dict[str, str] | None = None, log_path: str | Path | None = None, dtype: str = "bf16"):
     """The fleet's launcher (``EngineServer``) for a vLLM capture server (not started)."""
     from draftfleet.workers.launcher import EngineServer
 
@@ -97,15 +99,15 @@ def capture_server(launch: VLLMLaunch, gpus: list[int], port: int, layer_ids: li
     shim = connector_path(Path(storage_path) / ".connector")
     env = dict(env or {})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")) if p)
-    launch = msgspec.structs.replace(launch, extra_args=[*launch.extra_args, *engine_args(layer_ids, storage_path)])
+    launch = msgspec.structs.replace(launch, extra_args=[*launch.extra_args, *engine_args(layer_ids, storage_path, dtype)])
     return EngineServer(launch, gpus, port=port, log_path=log_path, env=env)
 
 
 class CaptureClient(VLLMClient):
     """A vLLM capture server: ids in, the path of their hidden states out, then the file read."""
 
-    def capture(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids int64 [T], hidden states as bf16 bits uint16 [T, L, H]) for exactly ``ids``."""
+    def capture(self, ids: list[int]) -> Captured:
+        """The engine's file for exactly ``ids``, read."""
         body: dict = {"prompt": ids, "max_tokens": 1, "temperature": 0.0}
         if self.model:
             body["model"] = self.model
@@ -125,7 +127,7 @@ class CaptureClient(VLLMClient):
                     pass
 
 
-def _read_engine_file(path: str) -> tuple[np.ndarray, np.ndarray]:
+def _read_engine_file(path: str) -> Captured:
     """Wait for the connector to finish the file (it holds ``<path>.lock`` while writing), read it."""
     deadline = time.monotonic() + FILE_WAIT_S
     while True:
@@ -156,21 +158,42 @@ def _read_engine_file(path: str) -> tuple[np.ndarray, np.ndarray]:
         tensors, _meta = read_safetensors(path)
     except (OSError, ValueError, KeyError) as exc:
         raise Transient("hidden_states_unreadable", f"{path}: {exc}") from None
-    ids, states = tensors.get("token_ids"), tensors.get("hidden_states")
-    if ids is None or states is None or states[0] != "BF16":
-        raise Transient("hidden_states_unreadable", f"{path}: expected token_ids and bf16 hidden_states")
-    return ids[1].astype(np.int64), states[1]
+    ids, states, scales = tensors.get("token_ids"), tensors.get("hidden_states"), tensors.get(SCALES)
+    if ids is None or states is None or states[0] not in _FILE_DTYPES:
+        raise Transient("hidden_states_unreadable", f"{path}: expected token_ids and bf16 or fp8 hidden_states")
+    return Captured(ids[1].astype(np.int64), _FILE_DTYPES[states[0]], states[1],
+                    None if scales is None else (scales[0], scales[1]))
 
 
-def check_states(ids: list[int], got_ids: np.ndarray, states: np.ndarray, m: CaptureManifest) -> None:
-    """Refuse anything but the states of exactly ``ids`` at the version's layers; no inf/NaN."""
-    if got_ids.tolist() != ids:
-        raise Transient("hidden_states_ids", f"the engine captured {len(got_ids)} ids that are not the {len(ids)} sent")
+class Captured(NamedTuple):
+    """One engine file: its ids, the states' dtype (the manifest's name) and bits, fp8's scales."""
+
+    ids: np.ndarray
+    dtype: str
+    states: np.ndarray  # bf16 bits uint16 or float8_e4m3fn bits uint8, [T, L, H]
+    scales: tuple[str, np.ndarray] | None  # (safetensors dtype, array) of hidden_states_scales
+
+
+_FILE_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
+
+
+def check_states(ids: list[int], got: Captured, m: CaptureManifest) -> None:
+    """Refuse anything but the states of exactly ``ids`` at the version's layers and dtype; no inf/NaN."""
+    if got.ids.tolist() != ids:
+        raise Transient("hidden_states_ids", f"the engine captured {len(got.ids)} ids that are not the {len(ids)} sent")
     want = (len(ids), len(m.layer_ids), m.hidden_size)
-    if states.shape != want:
-        raise Halt("hidden_states_shape", f"captured states of shape {states.shape}, the version wants {want} "
+    if got.states.shape != want:
+        raise Halt("hidden_states_shape", f"captured states of shape {got.states.shape}, the version wants {want} "
                    f"(layers {m.layer_ids}, hidden {m.hidden_size}): is the server started with these layers?")
-    if ((states & 0x7F80) == 0x7F80).any():  # bf16 exponent all ones: inf or NaN
+    if got.dtype != m.dtype:
+        raise Halt("hidden_states_dtype", f"the engine wrote {got.dtype} states, the version holds {m.dtype}: "
+                   "start the server with the version's dtype ([capture] dtype)")
+    if m.dtype == "float8_e4m3fn":
+        if got.scales is None or got.scales[0] != "F32" or got.scales[1].shape != (len(ids), 1, 1):
+            raise Halt("hidden_states_scales", f"fp8 states need {SCALES} float32 [{len(ids)}, 1, 1]")
+        if ((got.states & 0x7F) == 0x7F).any() or not (np.isfinite(got.scales[1]) & (got.scales[1] > 0)).all():
+            raise Permanent("hidden_states_not_finite", "the captured states hold NaN or a bad scale")
+    elif ((got.states & 0x7F80) == 0x7F80).any():  # bf16 exponent all ones: inf or NaN
         raise Permanent("hidden_states_not_finite", "the captured states hold inf or NaN")
 
 
@@ -178,12 +201,13 @@ class CaptureRuntime:
     """Per-process state of a capture worker."""
 
     def __init__(self, cfg: FleetConfig, store: Store, r: redis.Redis, client: CaptureClient, tokenizer: TargetTokenizer,
-                 hostname: str, layer_ids: list[int], model_sha: str):
+                 hostname: str, layer_ids: list[int], model_sha: str, dtype: str = "bfloat16"):
         self.cfg, self.store, self.r, self.client, self.tokenizer = cfg, store, r, client, tokenizer
         self.hidden = HiddenStore(store)
         self.hostname = hostname
         self.layer_ids = layer_ids
         self.model_sha = model_sha
+        self.dtype = dtype  # the manifest's name of the states' dtype this worker's engine writes
         self._manifests: dict[tuple[str, int], CaptureManifest] = {}
         self.claims = Claims(r, hostname)
         self._stop = threading.Event()
@@ -266,11 +290,11 @@ def execute(task_self, payload: object) -> str:
         dead_letter(rt.r, queue=queue, reason=f"{task.dataset} has no capture version {task.version}", body=payload,
                     worker=rt.hostname)
         return "dead_letter"
-    if m.layer_ids != rt.layer_ids or m.model_config_sha256 != rt.model_sha:
+    if m.layer_ids != rt.layer_ids or m.model_config_sha256 != rt.model_sha or m.dtype != rt.dtype:
         # Another worker's settings: leave it queued for a worker that captures with the version's.
         time.sleep(INFRA_RETRY_S)
-        raise Reject(f"{task.dataset} v{task.version} is captured with layers {m.layer_ids} of another model or "
-                     f"layers than this worker's {rt.layer_ids}", requeue=True)
+        raise Reject(f"{task.dataset} v{task.version} is captured in {m.dtype} with layers {m.layer_ids} of another "
+                     f"model, layers or dtype than this worker's ({rt.dtype}, {rt.layer_ids})", requeue=True)
     if rt.hidden.has(task.dataset, task.version, task.key, task.turn):
         return "duplicate"
     try:
@@ -302,12 +326,12 @@ def execute(task_self, payload: object) -> str:
 def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: list[int], prompt_len: int,
              source: str) -> str:
     """Capture one unit with retries and store it; what happened (``stored``, ``duplicate``, ``failed``)."""
-    got_ids = states = None
+    got = None
     failure: Exception | None = None
     for attempt in range(1, rt.cfg.fleet.max_attempts + 1):
         try:
-            got_ids, states = rt.client.capture(ids)
-            check_states(ids, got_ids, states, m)
+            got = rt.client.capture(ids)
+            check_states(ids, got, m)
             failure = None
             break
         except Halt as exc:  # the server, not the unit: back to the queue for when it is fixed
@@ -331,7 +355,10 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
         return "failed"
     meta = {"dataset": task.dataset, "key": task.key, "turn": str(task.turn), "prompt_len": str(prompt_len),
             "version": str(task.version), "layer_ids": ",".join(map(str, m.layer_ids)), "model": m.model}
-    data = encode_safetensors({"token_ids": ("I64", got_ids), "hidden_states": ("BF16", states)}, meta)
+    tensors = {"token_ids": ("I64", got.ids), "hidden_states": ("BF16" if got.dtype == "bfloat16" else "F8_E4M3", got.states)}
+    if got.scales is not None:
+        tensors[SCALES] = got.scales
+    data = encode_safetensors(tensors, meta)
     if not rt.hidden.put(task.dataset, task.version, task.key, task.turn, data):
         return "duplicate"
     _event(rt, task.dataset, "captured")
@@ -397,7 +424,8 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
             storage = Path(storage_path(cfg)) / label
             for left in storage.glob("*.safetensors*"):
                 left.unlink(missing_ok=True)
-            server = capture_server(launch, gpus, port_for(launch, gpus), layer_ids, str(storage))
+            server = capture_server(launch, gpus, port_for(launch, gpus), layer_ids, str(storage),
+                                    dtype=cfg.capture.dtype)
             server.start(wait=True)
             server.supervise()
             url = server.url
@@ -409,12 +437,14 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
         app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"
         app.conf.broker_transport = "draftfleet.workers.consumer:Transport"
         register(app)
-        rt = CaptureRuntime(cfg, store, r, client, tokenizer, hostname, layer_ids, model.config_sha256)
+        rt = CaptureRuntime(cfg, store, r, client, tokenizer, hostname, layer_ids, model.config_sha256,
+                            DTYPES[cfg.capture.dtype])
         install(rt)
         stop_waiting()
         rt.start_reports(names, n)
         queues = [rk.capture_queue(d) for d in names]
-        log.info("capture worker %s: layers %s, %d in flight, queues %s", hostname, layer_ids, n, ",".join(queues))
+        log.info("capture worker %s: layers %s in %s, %d in flight, queues %s", hostname, layer_ids, cfg.capture.dtype,
+                 n, ",".join(queues))
         app.worker_main(["worker", "-P", "threads", "-c", str(n), "-Q", ",".join(queues), "-n", hostname,
                          "-l", loglevel.upper(), "-E", "--without-gossip", "--without-mingle"])
     finally:

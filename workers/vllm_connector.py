@@ -10,6 +10,12 @@ same ``.lock`` protocol: the client takes ``LOCK_SH`` on ``<path>.lock`` and rea
 The file appears complete or not at all (written beside, then renamed): an engine killed
 mid-write leaves no half file for a reader to take.
 
+``kv_connector_extra_config`` ``"dtype": "fp8"`` stores float8 e4m3 states with one float32 scale
+per token, in the writer thread (off the engine's step), exactly as speculators' hs-connectors
+0.9.0 writes them (``fp8_utils.quantize_tensor_to_fp8``: scale = amax over the token's layers and
+features / 448, at least 1e-12; ``hidden_states`` float8_e4m3fn [T, L, H] and
+``hidden_states_scales`` float32 [T, 1, 1]), so its ``FP8Transfer`` reads the files unchanged.
+
 vLLM imports it as ``draftfleet.workers.vllm_connector`` (``kv_connector_module_path``): this
 module must import nothing but vLLM, torch, safetensors and the standard library, because it runs
 in the engine's own environment, where the fleet's dependencies are absent.
@@ -40,13 +46,31 @@ class _Copied:
         return None
 
 
+def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn states, float32 scales [T, 1, ..]): one scale per token, hs-connectors' formula."""
+    x = states.float()
+    amax = x.abs().amax(dim=tuple(range(1, x.dim())), keepdim=True)
+    scale = (amax / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    return (x / scale).to(torch.float8_e4m3fn), scale
+
+
 class DraftfleetHiddenStatesConnector(ExampleHiddenStatesConnector):
     """``ExampleHiddenStatesConnector`` with a synchronous copy and atomic files (CPU and GPU)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        dtype = self._kv_transfer_config.get_from_extra_config("dtype", "bf16")
+        if dtype not in ("bf16", "fp8"):
+            raise ValueError(f"kv_connector_extra_config dtype {dtype!r}: bf16 or fp8")
+        self._fp8 = dtype == "fp8"
+
     @staticmethod
-    def _write_tensors(tensors: dict[str, torch.Tensor], event, filename: str, lock_fd: int | None) -> None:
+    def _write_tensors(tensors: dict[str, torch.Tensor], event, filename: str, lock_fd: int | None,
+                       fp8: bool = False) -> None:
         tmp = f"{filename}.{os.getpid()}.partial"
         try:
+            if fp8:
+                tensors["hidden_states"], tensors["hidden_states_scales"] = quantize_fp8(tensors["hidden_states"])
             save_file(tensors, tmp)
             os.replace(tmp, filename)
         finally:
@@ -73,7 +97,7 @@ class DraftfleetHiddenStatesConnector(ExampleHiddenStatesConnector):
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         done = _Copied()
-        future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
+        future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd, self._fp8)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(lambda f, req_id=pending.req_id: self._on_write_done(req_id, f))

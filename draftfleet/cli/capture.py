@@ -20,7 +20,7 @@ def cmd_capture(args) -> int:
         print(msgspec.json.encode(summaries).decode())
         return status
     for c in summaries:
-        out.print(f"{c.dataset} capture v{c.version} (layers {c.layer_ids}): {c.units:,} record turns, {c.done:,} "
+        out.print(f"{c.dataset} capture v{c.version} (layers {c.layer_ids}, {c.dtype}): {c.units:,} record turns, {c.done:,} "
                   f"captured, {c.queued:,} queued ({c.already_queued:,} already queued); {c.tokens_to_capture:,} "
                   f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB of {c.free_bytes / 1e9:,.1f} GB free", highlight=False)
     return status
@@ -31,7 +31,7 @@ def register(sub) -> None:
     add_common(sp)
     sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
     sp.add_argument("--new-version", action="store_true",
-                    help="start a new capture version when the model or layers differ from the stored capture's")
+                    help="start a new capture version when the model, layers or dtype differ from the stored capture's")
     sp.add_argument("--ignore-space", action="store_true",
                     help="queue even when the estimated size exceeds the store's free space")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")

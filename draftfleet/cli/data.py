@@ -80,7 +80,8 @@ def cmd_export(args) -> int:
                 model_path = None
             captured = names if args.dataset else [n for n in names if HiddenStore(store).versions(n)]
             found = [features.export_features(store, name, args.out, hidden_formats, model_path=model_path,
-                                              version=args.capture_version, torch_python=args.torch_python)
+                                              version=args.capture_version, torch_python=args.torch_python,
+                                              draft_vocab_size=args.draft_vocab_size)
                      for name in captured]
             if args.json:
                 print(msgspec.json.encode(found).decode())
@@ -89,6 +90,8 @@ def cmd_export(args) -> int:
                     out.print(f"exported {f.rows:,} captured turns ({f.tokens:,} tokens) of {f.dataset} capture "
                               f"v{f.capture_version}: " + ", ".join(f.folders.values())
                               + (f"; {f.missing:,} turns not captured yet" if f.missing else ""), highlight=False)
+                    for note in f.notes:
+                        out.print(f"  note: {note}", highlight=False)
     except ExportError as exc:
         err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
         return 1
@@ -127,8 +130,10 @@ def register(sub) -> None:
                     "input_ids + loss_mask rows; speculators / specforge: captured hidden states in each trainer's "
                     "offline layout (repeatable)")
     sp.add_argument("--capture-version", type=int, help="speculators/specforge: the capture version (default the latest)")
-    sp.add_argument("--torch-python", help="specforge: an interpreter with torch and safetensors to write its "
-                    "torch.save files (default this one, when it has torch)")
+    sp.add_argument("--torch-python", help="speculators/specforge: an interpreter with torch and safetensors to "
+                    "write their torch.save files (default this one, when it has torch)")
+    sp.add_argument("--draft-vocab-size", type=int, default=32000,
+                    help="specforge: the draft vocabulary of its vocab mapping (default 32000, at most the target's)")
     sp.add_argument("--out", required=True,
                     help="folder for <dataset>.<format>.jsonl and <dataset>.manifest.json (other datasets' files stay)")
     sp.add_argument("--exclude-truncated", action="store_true", help="leave out responses cut at max_tokens (every format)")

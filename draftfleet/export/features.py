@@ -6,22 +6,30 @@ each format is the same sample. The ids and loss mask are the file's own token i
 prompt length (loss 0 on the prompt, 1 on the answer), never re-rendered. Turns without a file
 are counted as missing, not exported. Output folders: ``<out>/<dataset>.speculators/`` and
 ``<out>/<dataset>.specforge/``.
+
+Each also gets its trainer's draft vocabulary, counted over the loss-masked positions of the
+exported rows from the stored ids: speculators' ``token_freq.pt`` (its trainer's default
+``<data-path>/token_freq.pt``; ``--draft-vocab-size`` picks the size there) and SpecForge's
+``vocab_mapping_{N}.pt`` for ``N`` = ``draft_vocab_size``. Without them a drafter predicts the
+whole target vocabulary. The ``torch.save`` files are all written in one ``torch_files.py`` run.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import msgspec
 
 from draftfleet.conversation import record_turns
 from draftfleet.export import ExportError, _order
-from draftfleet.export import specforge, speculators
+from draftfleet.export import specforge, speculators, torch_files
 from draftfleet.hidden import HiddenStore, TargetModel, encode_safetensors, read_safetensors
 from draftfleet.store import Store
 
@@ -33,10 +41,17 @@ class FeaturesManifest(msgspec.Struct, kw_only=True):
     capture_version: int
     layer_ids: list[int]
     model: str
+    dtype: str  # the states' in the store and the speculators folder (the SpecForge files are bf16)
     rows: int
     tokens: int
     missing: int  # record turns with output ids but no captured file (run draftfleet capture)
     folders: dict[str, str]
+    draft_vocab_size: int  # SpecForge's vocab mapping (speculators' trainer picks its own from token_freq.pt)
+    trained_tokens: int  # loss-masked positions, the ones the vocabulary files count
+    notes: list[str] = []
+
+
+DRAFT_VOCAB_SIZE = 32000  # the trainers' usual reduced draft vocabulary
 
 
 def _rows(store: Store, dataset: str, version: int) -> tuple[list[tuple[str, list[int], list[int], str, int]], int]:
@@ -59,26 +74,42 @@ def _rows(store: Store, dataset: str, version: int) -> tuple[list[tuple[str, lis
     return rows, missing
 
 
+def token_counts(rows: list) -> Counter:
+    """Each id's count over the loss-masked positions of ``rows`` (what both trainers count)."""
+    counts: Counter = Counter()
+    for r in rows:
+        counts.update(i for i, m in zip(r[1], r[2]) if m)
+    return counts
+
+
 def _torch_here() -> bool:
     return importlib.util.find_spec("torch") is not None and importlib.util.find_spec("safetensors.torch") is not None
 
 
 def export_features(store: Store, dataset: str, out_dir: str | Path, formats: list[str], *,
-                    model_path: str | None, version: int | None = None, torch_python: str | None = None) -> FeaturesManifest:
-    """Write the dataset's hidden-state exports; ``model_path`` (the target's folder) gives SpecForge's norm."""
+                    model_path: str | None, version: int | None = None, torch_python: str | None = None,
+                    draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> FeaturesManifest:
+    """Write the dataset's hidden-state exports; ``model_path`` (the target's folder) gives SpecForge's norm
+    and the target's vocabulary size."""
     hidden = HiddenStore(store)
     m = hidden.manifest(dataset, version)
     if m is None:
         raise ExportError(f"{dataset}: no captured hidden states" + (f" in version {version}" if version else "")
                           + ": run draftfleet capture and a capture worker first")
     rows, missing = _rows(store, dataset, m.version)
+    counts = sorted(token_counts(rows).items())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    folders = {}
+    folders, plan, notes = {}, {}, []
     if "speculators" in formats:
         folder = out / f"{dataset}.speculators"
         speculators.write(folder, [(r[0], r[1], r[2], r[3]) for r in rows])
         folders["speculators"] = str(folder)
+        plan["token_freq"] = {"out": str(folder / speculators.TOKEN_FREQ), "counts": counts}
+        if m.dtype == "float8_e4m3fn":
+            notes.append("the speculators files are fp8 with a scale per token (hs-connectors' layout): train with "
+                         "--hidden-states-backend fp8, which dequantizes them as it reads")
+    draft = draft_vocab_size
     if "specforge" in formats:
         if not model_path:
             raise ExportError("-f specforge needs the target model's folder for its final norm ([capture] model_path)")
@@ -86,33 +117,43 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
         if model.config_sha256 != m.model_config_sha256:
             raise ExportError(f"{model_path} is not the model {dataset} v{m.version} was captured with "
                               f"(config sha256 {model.config_sha256[:12]} != {m.model_config_sha256[:12]})")
+        if not model.vocab_size:
+            raise ExportError(f"{model_path}/config.json has no vocab_size: SpecForge's vocab mapping needs it")
+        draft = min(draft_vocab_size, model.vocab_size)
         folder = out / f"{dataset}.specforge"
-        _write_specforge(folder, rows, model, torch_python)
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
         folders["specforge"] = str(folder)
-    return FeaturesManifest(dataset=dataset, capture_version=m.version, layer_ids=m.layer_ids, model=m.model,
-                            rows=len(rows), tokens=sum(len(r[1]) for r in rows), missing=missing, folders=folders)
-
-
-def _write_specforge(folder: Path, rows: list, model: TargetModel, torch_python: str | None) -> None:
-    import shutil
-
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
+        plan["vocab_mapping"] = {"out": specforge.vocab_mapping_path(str(folder), draft), "counts": counts,
+                                 "draft": draft, "target": model.vocab_size}
+        notes.append(f"SpecForge: set model.vocab_mapping_path to {plan['vocab_mapping']['out']} (draft vocabulary "
+                     f"{draft}) and a draft config with draft_vocab_size {draft}")
     with tempfile.TemporaryDirectory(prefix="draftfleet-norm-") as tmp:
-        norm = Path(tmp) / "norm.safetensors"
-        norm.write_bytes(encode_safetensors({"weight": ("F32", model.final_norm_weight())}, {}))
-        plan = {"norm": str(norm), "eps": model.rms_norm_eps, "samples": [
-            {"hs": r[3], "out": specforge.sample_path(str(folder), i), "prompt_len": r[4]} for i, r in enumerate(rows)]}
-        if torch_python is None and _torch_here():
-            specforge.write_samples(plan)
-            return
-        python = torch_python or sys.executable
-        if torch_python is None:
-            raise ExportError("-f specforge writes torch.save files and this interpreter has no torch: pass "
-                              "--torch-python with an interpreter that has torch and safetensors (e.g. the engine's "
-                              "venv), or pip install 'draftfleet[specforge]'")
-        done = subprocess.run([python, specforge.__file__], input=json.dumps(plan), capture_output=True, text=True)
-        if done.returncode:
-            raise ExportError(f"{python} could not write the SpecForge files: {done.stderr.strip()[-1500:]}")
+        if "specforge" in formats:
+            norm = Path(tmp) / "norm.safetensors"
+            norm.write_bytes(encode_safetensors({"weight": ("F32", model.final_norm_weight())}, {}))
+            plan["specforge"] = {"norm": str(norm), "eps": model.rms_norm_eps, "samples": [
+                {"hs": r[3], "out": specforge.sample_path(str(folder), i), "prompt_len": r[4]}
+                for i, r in enumerate(rows)]}
+        if plan:
+            _run_torch(plan, torch_python)
+    return FeaturesManifest(dataset=dataset, capture_version=m.version, layer_ids=m.layer_ids, model=m.model,
+                            dtype=m.dtype, rows=len(rows), tokens=sum(len(r[1]) for r in rows), missing=missing,
+                            folders=folders, draft_vocab_size=draft, trained_tokens=sum(n for _, n in counts),
+                            notes=notes)
 
+
+def _run_torch(plan: dict, torch_python: str | None) -> None:
+    """Write the plan's torch.save files here when torch is importable, else with ``torch_python``."""
+    if torch_python is None and _torch_here():
+        torch_files.run(plan)
+        return
+    if torch_python is None:
+        raise ExportError("-f speculators and -f specforge write torch.save files (token_freq.pt, the samples, the "
+                          "vocab mapping) and this interpreter has no torch: pass --torch-python with an interpreter "
+                          "that has torch and safetensors (e.g. the engine's venv), or pip install "
+                          "'draftfleet[specforge]'")
+    done = subprocess.run([torch_python, torch_files.__file__], input=json.dumps(plan), capture_output=True, text=True)
+    if done.returncode:
+        raise ExportError(f"{torch_python} could not write the torch.save files: {done.stderr.strip()[-1500:]}")

@@ -9,6 +9,9 @@ nothing is rewritten and the export costs no space on the store's file system. T
 what ``Dataset.save_to_disk`` writes (one IPC-stream shard, ``state.json``, ``dataset_info.json``),
 written with pyarrow: the fleet does not depend on ``datasets``. Rows keep the export's order (by
 source, then line), unshuffled; ``id`` names the record (``<key>_gen<turn>`` for conversations).
+Beside them ``token_freq.pt`` (``features.py``), the draft vocabulary's counts. fp8 captures are
+linked as they are: speculators reads them with ``--hidden-states-backend fp8`` (hs-connectors'
+``FP8Transfer`` dequantizes).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ _FEATURES = {
     "seq_len": {"dtype": "int64", "_type": "Value"},
 }
 SHARD = "data-00000-of-00001.arrow"
+TOKEN_FREQ = "token_freq.pt"  # the trainer's default --token-freq-path: <data-path>/token_freq.pt
 
 
 def _link(src: str, dst: Path) -> None:

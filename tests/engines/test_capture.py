@@ -71,6 +71,20 @@ def capture(tmp_path_factory, tokenizer_dir):
         srv.stop()
 
 
+@pytest.fixture(scope="module")
+def capture_fp8(capture, tmp_path_factory):
+    """A second capture server of the same model whose connector writes fp8 (``[capture] dtype = "fp8"``)."""
+    folder = tmp_path_factory.mktemp("capture-fp8-server")
+    storage = folder / "incoming"
+    srv = capture_server(capture.engine.launch(capture.model, 900.0), [0], free_port(), capture.layer_ids, str(storage),
+                         env=capture.engine.env, log_path=folder / "server.log", dtype="fp8")
+    srv.start()
+    try:
+        yield Capture(capture.engine, capture.model, srv, storage)
+    finally:
+        srv.stop()
+
+
 def _with_final_norm(model: Path, dest: Path) -> Path:
     """A copy of ``model`` whose final norm weight is drawn around 1, not all ones (transformers' init):
     a SpecForge export that skipped or misread the weight would then differ from transformers. The
@@ -158,7 +172,8 @@ def test_captured_states_match_transformers_and_both_trainers_read_the_exports(
     # the two exports, read by the trainers' own loaders
     out = tmp_path / "features"
     res = run_cli("export", "--config", str(config), "-d", "hs", "-f", "speculators", "-f", "specforge", "--out",
-                  str(out), "--torch-python", capture.engine.python, env={"REDIS_URL": redis_server.url}, timeout=300)
+                  str(out), "--torch-python", capture.engine.python, "--draft-vocab-size", "64",
+                  env={"REDIS_URL": redis_server.url}, timeout=300)
     assert res.returncode == 0, res.stderr
     read = capture.run_engine_python("trainer_readers.py", str(out / "hs.speculators"), str(out / "hs.specforge"), "4096")
     order = [row["id"] for row in read["speculators"]]
@@ -175,6 +190,18 @@ def test_captured_states_match_transformers_and_both_trainers_read_the_exports(
                                    "aux_hidden_state": "torch.bfloat16", "hidden_state": "torch.bfloat16"}
         assert forge["shapes"]["hidden_state"] == [1, n, 3 * 128] and forge["shapes"]["target"] == [1, n, 128]
         assert forge["normalized_loss_mask"] == want["loss_mask"][:-1] + [0]  # SpecForge zeroes the last position
+
+    # the draft vocabularies: counted over the answers' positions of the stored ids, loaded by each trainer
+    counts = Counter(i for row in token_rows.values() for i, m in zip(row["input_ids"], row["loss_mask"]) if m)
+    spec_vocab, forge_vocab = read["speculators_vocab"], read["specforge_vocab"]
+    assert spec_vocab["equals_prepare_data"] and spec_vocab["key_types"] == ["int"]
+    assert {i: n for i, n in spec_vocab["counts"]} == counts and spec_vocab["d2t_shape"] == [8]
+    assert {i: n for i, n in forge_vocab["specforge_counts"]} == counts  # SpecForge's own count over the export
+    assert forge_vocab["loaded"] and (forge_vocab["draft"], forge_vocab["target"]) == (64, tok.vocab_size)
+    assert (forge_vocab["d2t_dtype"], forge_vocab["t2d_dtype"]) == ("torch.int64", "torch.bool")
+    chosen = set(forge_vocab["chosen"])
+    assert len(chosen) == 64 and len(counts) > 64  # a real choice: more ids were seen than the draft holds
+    assert min(counts[i] for i in chosen) >= max(n for i, n in counts.items() if i not in chosen)
 
     # the states against transformers' own forward pass over the same ids and weights
     files = sorted(str(hidden.path("hs", 1, rec.key, 0)) for rec in store.records("hs"))
@@ -223,3 +250,58 @@ def test_capture_worker_killed_mid_run_leaves_one_file_per_unit(live, capture, t
         assert tensors["hidden_states"][1].shape[0] == len(tensors["token_ids"][1]) > 0
     [last] = _capture_cli(config, redis_server.url)  # nothing left to queue
     assert (last["done"], last["queued"]) == (n, 0)
+
+
+def test_fp8_capture_reads_through_speculators_fp8_path_within_fp8_of_bf16(
+        live, capture, capture_fp8, tmp_path, redis_server, tokenizer_dir, workers):
+    config, store = _generate(live, capture, tmp_path, tokenizer_dir, redis_server, workers, "f8", 8)
+    [bf16] = _capture_cli(config, redis_server.url)
+    assert (bf16["version"], bf16["dtype"]) == (1, "bfloat16")
+    cap = workers.start(config, "capture", "--url", capture.server.url, "--name", "cap16", redis_url=redis_server.url)
+    wait_until(lambda: len(_files_by_unit(store, "f8", 1)) == 8, 240, 0.2, f"8 bf16 files\n{workers.logs()}")
+    workers.stop(cap)
+
+    fp8_config = tmp_path / "fp8.toml"
+    fp8_config.write_text(config.read_text() + 'dtype = "fp8"\n')  # [capture] is the file's last table
+    res = run_cli("capture", "--config", str(fp8_config), "--json", env={"REDIS_URL": redis_server.url})
+    assert res.returncode == 1 and "holds bfloat16" in res.stderr and "--new-version" in res.stderr, res.stderr
+    [fp8] = _capture_cli(fp8_config, redis_server.url, "--new-version")
+    assert (fp8["version"], fp8["dtype"], fp8["queued"]) == (2, "float8_e4m3fn", 8)
+    workers.start(fp8_config, "capture", "--url", capture_fp8.server.url, "--name", "cap8", redis_url=redis_server.url)
+    wait_until(lambda: len(_files_by_unit(store, "f8", 2)) == 8, 240, 0.2, f"8 fp8 files\n{workers.logs()}")
+    hidden = HiddenStore(store)
+    sizes = {}
+    for version in (1, 2):
+        files, tokens, size = hidden.usage("f8", version)
+        sizes[version] = size / tokens
+    for rec in store.records("f8"):
+        tensors, _meta = read_safetensors(hidden.path("f8", 2, rec.key, 0))
+        (dtype, states), (sdtype, scales) = tensors["hidden_states"], tensors["hidden_states_scales"]
+        assert (dtype, sdtype, states.shape[1:], scales.shape[1:]) == ("F8_E4M3", "F32", (4, 128), (1, 1))
+
+    out16, out8 = tmp_path / "f16", tmp_path / "f8"
+    for cfg, version, out in ((config, 1, out16), (fp8_config, 2, out8)):
+        res = run_cli("export", "--config", str(cfg), "-d", "f8", "-f", "speculators", "-f", "specforge",
+                      "--capture-version", str(version), "--out", str(out), "--torch-python", capture.engine.python,
+                      "--json", env={"REDIS_URL": redis_server.url}, timeout=300)
+        assert res.returncode == 0, res.stderr
+    [m8] = json.loads(res.stdout)
+    assert m8["dtype"] == "float8_e4m3fn" and any("--hidden-states-backend fp8" in n for n in m8["notes"])
+    # the store's fp8 files are the speculators files, linked
+    hs0 = out8 / "f8.speculators" / "hidden_states" / "hs_0.safetensors"
+    assert any(p.samefile(hs0) for p in (Path(store.root) / HIDDEN_DIR / "f8" / "v2").glob("*/*.safetensors"))
+    effect = capture.run_engine_python("fp8_effect.py", str(capture.model), str(out16 / "f8.speculators"),
+                                       str(out8 / "f8.speculators"), "4096")
+    effect["bytes_per_token"] = sizes
+    print("fp8 against bf16:", json.dumps(effect))
+    assert effect["fp8_dtype_on_disk"] == "torch.float8_e4m3fn" and effect["dequantized_dtype"] == "torch.bfloat16"
+    # e4m3 keeps 3 mantissa bits: near a token's largest state (448 after scaling) a step is 32, so rounding
+    # is within 16/448 = 3.6% of the token's largest state; bf16 rounding and batching noise add a little
+    assert effect["max_err_of_token_amax"] <= 0.05, effect
+    assert effect["aux_rel_l2"] <= 0.05, effect
+    assert sizes[2] < 0.55 * sizes[1], sizes
+    # SpecForge's export of the fp8 version is dequantized: bf16 tensors its loader takes
+    read = capture.run_engine_python("trainer_readers.py", str(out8 / "f8.speculators"), str(out8 / "f8.specforge"),
+                                     "4096", "fp8")
+    assert len(read["specforge"]) == 8 and all(r["dtypes"]["aux_hidden_state"] == "torch.bfloat16"
+                                                for r in read["specforge"])
