@@ -300,8 +300,9 @@ class Ledger:
             pipe.execute()
 
     def charge(self, backend: str, cost_usd: float) -> None:
-        """Add a generation no stored record carries (a twin stored the key first) to the backend's
-        spend: it was paid for, and the spend cap must see it. (A conversation's turns are added
+        """Add a generation no stored record carries (a twin stored the key first, or an answer
+        billed but unusable: empty, not re-tokenizable) to the backend's spend: it was paid for,
+        and the spend cap must see it. (A conversation's turns are added
         as they are paid: :meth:`prepay`.)"""
         if cost_usd:
             self.r.hincrby(rk.spend(backend), "cost_micro_usd", micro_usd(cost_usd))

@@ -216,8 +216,13 @@ def test_chat_fault_kinds(client: httpx.Client, emulator: Emulator, kind: str) -
             client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
     else:
         r = client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
-        if kind == "abort":
+        if kind == "abort":  # not billed (OpenRouter's zero completion insurance)
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "error"
+            assert r.json()["usage"]["cost"] == 0
+        elif kind == "empty":  # generated and billed, nothing in the message
+            body = r.json()
+            assert r.status_code == 200 and body["choices"][0]["message"]["content"] == ""
+            assert body["usage"]["completion_tokens"] > 0 and body["usage"]["cost"] > 0
         else:
             error = r.json()["error"]
             status = 200 if kind == "200_error" else 403 if kind == "moderation" else int(kind[:3])

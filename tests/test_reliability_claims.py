@@ -135,6 +135,44 @@ def test_heartbeat_never_brings_back_a_claim_released_while_it_ran(runtime, monk
     runtime.release(task, again)
 
 
+def test_every_billed_answer_reaches_the_spend(runtime, monkeypatch):
+    """Three answers come back empty (generated and billed, the message empty) before a good one;
+    another prompt's answer is refused by the target tokenizer (the prompt fails). All five were
+    billed and the spend (what the cap reads) holds all five, though one record carries one cost.
+    Before, it held only the stored answer's."""
+    from draftfleet.ledger import micro_usd
+    from draftfleet.tokenizer import TokenizerError
+    from draftfleet.workers import tasks
+
+    emu = runtime.emu
+
+    def backoff(attempt, retry_after):  # no waiting; the empty answers stop after three
+        if emu.stats()["faults"]["empty"] >= 3:
+            emu.update(rate_empty=0.0)
+        return 0.0
+
+    monkeypatch.setattr(tasks, "backoff_s", backoff)
+    emu.update(rate_empty=1.0)
+    gen, attempts, _ = tasks._generate(runtime, runtime.prompt(1), reasons := [])
+    assert gen is not None and attempts == 4 and reasons == ["empty_response"] * 3
+
+    def refuse(*args, **kwargs):
+        raise TokenizerError("parsed special tokens inside response text")
+
+    monkeypatch.setattr(runtime.backend.tokenizer, "completion_ids", refuse)
+    assert tasks._generate(runtime, runtime.prompt(2), [])[0] is None
+    [failure] = runtime.store.failures("ds")
+    assert failure.error_kind == "retokenize"
+
+    stats = emu.stats()
+    billed = stats["prompt_tokens"] * 0.6 / 1e6 + stats["tokens_generated"] * 2.5 / 1e6  # the emulator's prices
+    assert stats["completed"] == 5 and gen.cost_usd < billed / 4
+    spent = int(runtime.r.hget(rk.spend("cloudy"), "cost_micro_usd") or 0) + micro_usd(gen.cost_usd)
+    assert abs(spent - micro_usd(billed)) <= 5, (spent, micro_usd(billed))  # one rounding to 1 µ$ per answer
+    events = runtime.ledger.events("ds")
+    assert (events["paid_unused:empty_response"], events["paid_unused:retokenize"]) == (3, 1)
+
+
 def test_transient_402_waits_for_retry_after_and_never_pauses(runtime, monkeypatch):
     """OpenRouter's in-flight-budget 402 carries Retry-After: the task retries after at least that."""
     from draftfleet.workers import tasks

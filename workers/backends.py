@@ -33,7 +33,14 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
     model: str
 
 
-class Transient(Exception):
+class BackendError(Exception):
+    """What a backend raises. ``paid_usd``: what the attempt was billed although its answer cannot
+    be used (empty, or not re-tokenizable): the spend, and its cap, must see it all the same."""
+
+    paid_usd: float = 0.0
+
+
+class Transient(BackendError):
     """Worth another try: 429, 5xx, timeouts, dropped connections, aborted generations."""
 
     def __init__(self, reason: str, detail: str = "", retry_after: float | None = None):
@@ -42,7 +49,7 @@ class Transient(Exception):
         self.retry_after = retry_after
 
 
-class Permanent(Exception):
+class Permanent(BackendError):
     """This prompt cannot succeed as sent (400 invalid request, 403 moderation)."""
 
     def __init__(self, reason: str, detail: str = ""):
@@ -50,7 +57,7 @@ class Permanent(Exception):
         self.reason = reason
 
 
-class Halt(Exception):
+class Halt(BackendError):
     """The backend cannot serve anything until a person acts (401 bad key, 402 out of credits).
 
     ``ready``, when given, tells cheaply whether the cause is gone (a key accepted again), so the

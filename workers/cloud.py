@@ -22,7 +22,7 @@ from draftfleet.http import make_client
 from draftfleet.schemas.config import CloudBackend
 from draftfleet.schemas.records import Message, PromptTask, Usage
 from draftfleet.tokenizer import TargetTokenizer, TemplateError, TokenizerError
-from draftfleet.workers.backends import Generation, Halt, Permanent, Transient, parse_retry_after
+from draftfleet.workers.backends import BackendError, Generation, Halt, Permanent, Transient, parse_retry_after
 
 _TRANSIENT_CODES = {408, 429, 500, 502, 503, 504, 520, 522, 524, 529}
 _TRANSIENT_402 = {"openrouter_in_flight_budget", "in_flight_budget_exhausted"}
@@ -126,6 +126,17 @@ class CloudChat:
         if resp.status_code != 200 or error is not None:
             err = error if isinstance(error, dict) else {"message": str(error or resp.text[:200])}
             raise self._classify(resp.status_code, err, retry_after, out.get("error_type"))
+        usage = self._usage(out.get("usage") or {})
+        try:
+            return self._answer(task, out, usage, retry_after)
+        except BackendError as exc:  # billed all the same (an empty answer, one not re-tokenizable), unless
+            # nothing was generated (OpenRouter's zero completion insurance bills such answers nothing)
+            if usage.cost_usd is not None or usage.completion_tokens:
+                exc.paid_usd = self._cost(usage, usage.prompt_tokens, usage.completion_tokens)[0]
+            raise
+
+    def _answer(self, task: PromptTask, out: dict, usage: Usage, retry_after: float | None) -> Generation:
+        """The generation in a 200 answer, or the error it holds."""
         choices = out.get("choices") or []
         if not choices:
             raise Transient("bad_body", "no choices in the response")
@@ -147,19 +158,9 @@ class CloudChat:
             raise Halt("chat_template", str(exc)) from None
         except TokenizerError as exc:
             raise Permanent("retokenize", str(exc)) from None
-        usage = self._usage(out.get("usage") or {})
         prompt_ids = self.tokenizer.prompt_ids(task.messages)
         ours_prompt = len(prompt_ids)
-        if usage.cost_usd is not None:
-            # BYOK: usage.cost is only OpenRouter's fee; the provider bills its own charge too.
-            cost, source = usage.cost_usd + ((usage.is_byok and usage.upstream_cost_usd) or 0.0), "provider"
-        elif self.cfg.price_input_per_mtok or self.cfg.price_output_per_mtok:
-            cost = (usage.prompt_tokens or ours_prompt) * self.cfg.price_input_per_mtok / 1e6 + (
-                usage.completion_tokens or len(ids)
-            ) * self.cfg.price_output_per_mtok / 1e6
-            source = "price_table"
-        else:
-            cost, source = 0.0, "none"
+        cost, source = self._cost(usage, usage.prompt_tokens or ours_prompt, usage.completion_tokens or len(ids))
         return Generation(
             text=text,
             reasoning=reasoning,
@@ -174,6 +175,17 @@ class CloudChat:
             cost_source=source,
             model=str(out.get("model") or self.cfg.model),
         )
+
+    def _cost(self, usage: Usage, prompt_tokens: int, completion_tokens: int) -> tuple[float, str]:
+        """What an answer was billed, and by whose figure: the provider's own cost when it reports
+        one, else the configured prices for these counts."""
+        if usage.cost_usd is not None:
+            # BYOK: usage.cost is only OpenRouter's fee; the provider bills its own charge too.
+            return usage.cost_usd + ((usage.is_byok and usage.upstream_cost_usd) or 0.0), "provider"
+        if self.cfg.price_input_per_mtok or self.cfg.price_output_per_mtok:
+            return (prompt_tokens * self.cfg.price_input_per_mtok / 1e6
+                    + completion_tokens * self.cfg.price_output_per_mtok / 1e6), "price_table"
+        return 0.0, "none"
 
     @staticmethod
     def _usage(u: dict) -> Usage:

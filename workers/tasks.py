@@ -34,7 +34,7 @@ from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import (FailureRecord, GenerationSettings, PromptTask, ResponseRecord, Turn, TurnProgress,
                                         WorkerReport)
 from draftfleet.store import Store, StoreError, check_key, check_name
-from draftfleet.workers.backends import Backend, Generation, Halt, Permanent, Transient, backoff_s
+from draftfleet.workers.backends import Backend, BackendError, Generation, Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
 from draftfleet.workers.engine import EngineClient, ServerDown
 
@@ -322,6 +322,18 @@ def _fail(rt: Runtime, task: PromptTask, reason: str, detail: str, attempts: int
     return "failed"
 
 
+def _ask(rt: Runtime, task: PromptTask, asked: PromptTask | None) -> Generation:
+    """One attempt. An answer billed but unusable (empty, not re-tokenizable) goes to the spend
+    before its error is handled: no record will carry its cost."""
+    try:
+        return rt.backend.generate(asked or task)
+    except BackendError as exc:
+        if exc.paid_usd:
+            rt.ledger.charge(rt.backend.name, exc.paid_usd)
+            rt.ledger.event(task.dataset, f"paid_unused:{exc.reason}")
+        raise
+
+
 def _generate(rt: Runtime, task: PromptTask, reasons: list[str],
               asked: PromptTask | None = None) -> tuple[Generation | None, int, float]:
     """Run the backend with retries (their reasons appended to ``reasons``) on ``asked`` (a
@@ -337,7 +349,7 @@ def _generate(rt: Runtime, task: PromptTask, reasons: list[str],
         t0 = time.monotonic()
         try:
             rt.check_spend()
-            return rt.backend.generate(asked or task), attempt, time.monotonic() - t0
+            return _ask(rt, task, asked), attempt, time.monotonic() - t0
         except Halt as exc:
             rt.pause(exc.reason, str(exc), ready=exc.ready)
             raise Reject(exc.reason, requeue=True) from None

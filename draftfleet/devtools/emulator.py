@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/generate", "/v1/chat/completions")
 """The endpoints that generate, count as open requests and take faults."""
 
-FAULT_KINDS = ("429", "500", "503", "402", "402_inflight", "403", "moderation", "200_error", "abort", "hang", "cut")
+FAULT_KINDS = ("429", "500", "503", "402", "402_inflight", "403", "moderation", "200_error", "abort", "empty", "hang",
+               "cut")
 """Fault kinds; each has a field ``rate_<kind>``. A request draws at most one, in this order, among
 the kinds its endpoint really produces (``FAULT_PATHS``)."""
 
@@ -64,6 +65,7 @@ FAULT_PATHS: dict[str, frozenset[str]] = {
     "moderation": frozenset({_CHAT}),
     "200_error": frozenset({_CHAT}),
     "abort": frozenset(GENERATION_PATHS),
+    "empty": frozenset({_CHAT}),
     "hang": frozenset(GENERATION_PATHS),
     "cut": frozenset(GENERATION_PATHS),
 }
@@ -139,6 +141,7 @@ class EmulatorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     rate_moderation: float = 0.0
     rate_200_error: float = 0.0
     rate_abort: float = 0.0
+    rate_empty: float = 0.0  # chat: tokens generated and billed, the message empty (hidden reasoning)
     rate_hang: float = 0.0
     rate_cut: float = 0.0
     retry_after_s: float = 1.0  # Retry-After (sent as "1", or "0.5" for fast tests) and retry_after_seconds
@@ -944,8 +947,9 @@ class _App:
         created = int(time.time())
         gen_id = f"gen-{created}-{next(self._ids)}"
         fault = self._fault(_CHAT)
-        if fault == "abort":  # OpenRouter reports a mid-generation failure as finish_reason "error"
-            return _json(self._completion(gen_id, created, model, "", None, "error", prompt_tokens, 0, 0))
+        if fault == "abort":  # OpenRouter reports a mid-generation failure as finish_reason "error"; its
+            # zero completion insurance bills nothing for it
+            return _json(self._completion(gen_id, created, model, "", None, "error", prompt_tokens, 0, 0, billed=False))
         if fault in _CLOUD_FAULTS:
             return self._cloud_fault(fault)
         if fault == "hang":
@@ -956,6 +960,8 @@ class _App:
         self._account(prompt_tokens, n)
         content = self._vocab.decode(answer[:-1] if stopped else answer)
         reasoning = self._vocab.decode(reasoning_ids) if reasoning_ids else None
+        if fault == "empty":  # generated and billed, nothing returned (a provider hiding the reasoning)
+            content, reasoning = "", None
         payload = self._completion(
             gen_id, created, model, content, reasoning, "stop" if stopped else "length",
             prompt_tokens, n, len(reasoning_ids),
@@ -964,13 +970,13 @@ class _App:
 
     def _completion(
         self, gen_id: str, created: int, model: str, content: str, reasoning: str | None,
-        finish_reason: str, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int,
+        finish_reason: str, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int, billed: bool = True,
     ) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:
             message["reasoning"] = reasoning
         price_in, price_out = self.config.price_input_per_mtok, self.config.price_output_per_mtok
-        cost = prompt_tokens * price_in / 1e6 + completion_tokens * price_out / 1e6
+        cost = prompt_tokens * price_in / 1e6 + completion_tokens * price_out / 1e6 if billed else 0.0
         byok = self.config.byok  # the provider bills the user's own key; OpenRouter charges only its fee
         return {
             "id": gen_id, "object": "chat.completion", "created": created, "model": model,
