@@ -13,6 +13,7 @@ run code (:data:`DISABLED_COMMANDS`) do not exist on it.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -29,6 +30,9 @@ from draftfleet.store import Store
 
 URL_FILE = "redis.url"
 STATE_DIR = "_redis"
+LOADING_REPORT_S = 10.0  # how often a wait for a loading Redis says how far it is
+
+log = logging.getLogger("draftfleet.broker")
 
 
 class BrokerError(RuntimeError):
@@ -173,13 +177,28 @@ class EmbeddedRedis:
         if proc.returncode != 0:
             raise BrokerError(f"redis-server failed to start (see {self.dir / 'redis.log'}): {proc.stderr.strip()}")
         url = f"redis://:{quote(password, safe='')}@127.0.0.1:{port}/0"
-        deadline = time.monotonic() + timeout
+        deadline, said = time.monotonic() + timeout, False
         while not self._ours(url):
             if time.monotonic() > deadline:
-                raise BrokerError(f"embedded redis did not answer within {timeout:.0f}s (see {self.dir / 'redis.log'})")
+                # Loading large writes, Redis answers no one until it is done: wait while it lives.
+                if not self._alive():
+                    raise BrokerError(f"embedded redis did not answer within {timeout:.0f}s and is not running "
+                                      f"(see {self.dir / 'redis.log'})")
+                if not said:
+                    log.warning("waiting: the private Redis in %s is loading its append-only file and answers "
+                                "no one yet", self.dir)
+                    said = True
             time.sleep(0.05)
         _write_private(self.url_file, url + "\n")
         return url
+
+    def _alive(self) -> bool:
+        """The process in this folder's pid file exists (it may still be loading its data)."""
+        try:
+            os.kill(int((self.dir / "redis.pid").read_text().strip()), 0)
+        except (OSError, ValueError):
+            return False
+        return True
 
     def stop(self) -> bool:
         """Shut the server down (saving its append-only file). False if it was not running."""
@@ -233,13 +252,56 @@ def resolve_redis_url(explicit: str | None, configured: str | None, store: str |
     for url, where in ((explicit, "--redis-url"), (os.environ.get("REDIS_URL"), "REDIS_URL"),
                        (configured, "[fleet].redis_url")):
         if url:
-            return verified_tls(check_url(url, where))
+            return wait_loaded(verified_tls(check_url(url, where)))
     if store is None:
         raise BrokerError("no Redis: pass --redis-url, set REDIS_URL, or give a store for the embedded server")
     emb = EmbeddedRedis(Path(store) / STATE_DIR)
     if emb.running_url() is None:
         _started.append(emb)
-    return emb.ensure()
+    return wait_loaded(emb.ensure())
+
+
+def wait_loaded(url: str) -> str:
+    """Wait while the server at ``url`` loads its data set (after a restart, its append-only file
+    can take minutes), saying so on the log every ``LOADING_REPORT_S``: every other command is
+    refused with LOADING meanwhile. A server that cannot be reached is left to the caller's error."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=REPLY_TIMEOUT_S,
+                                  client_name=client_name())
+    started = said = None
+    try:
+        while True:
+            try:
+                info = client.info("persistence")  # INFO is served while loading
+            except redis.BusyLoadingError:
+                info = {"loading": 1}
+            if not int(info.get("loading", 0)):
+                break
+            now = time.monotonic()
+            started = started or now
+            if said is None or now - said >= LOADING_REPORT_S:
+                log.warning("waiting: Redis at %s is loading its data set into memory (%s)", redact(url), _progress(info))
+                said = now
+            time.sleep(0.2)
+    except redis.RedisError:
+        pass  # unreachable, refused password...: the command's own first call reports it
+    finally:
+        client.close()
+    if started is not None:
+        log.warning("Redis has loaded its data set (waited %.1f s)", time.monotonic() - started)
+    return url
+
+
+def _progress(info: dict) -> str:
+    """How far a loading Redis is, from ``INFO persistence``'s loading fields (Redis 6 and 7)."""
+    perc, total, eta = (info.get(k) for k in ("loading_loaded_perc", "loading_total_bytes", "loading_eta_seconds"))
+    if perc is None or not total:
+        return "its progress not reported yet"
+    return f"{float(perc):.0f}% of {int(total) / 1e6:.1f} MB, about {int(eta or 0)} s left"
+
+
+def started_here(store: str | Path) -> bool:
+    """Whether this process started the store's private Redis (and so stops it on the way out)."""
+    return any(e.dir == Path(store) / STATE_DIR for e in _started)
 
 
 def release_embedded() -> list[Path]:
@@ -266,6 +328,27 @@ def release_embedded() -> list[Path]:
         if emb.stop():
             stopped.append(emb.dir)
     return stopped
+
+
+def embedded_users(store: str | Path) -> tuple[int, list[int]] | None:
+    """The store's private Redis when it runs: its pid and the pids of the other draftfleet
+    processes connected to it (their connections carry ``client_name``). It stays up after they
+    stop, until ``draftfleet redis stop``; None when it is not running."""
+    emb = EmbeddedRedis(Path(store) / STATE_DIR)
+    url = emb.running_url()
+    if url is None:
+        return None
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=5, client_name=client_name())
+    try:
+        names = {c.get("name", "") for c in client.client_list()}
+        server = int(client.info("server")["process_id"])
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+    pids = sorted({int(n.rsplit("-", 1)[1]) for n in names
+                   if n.startswith("draftfleet-") and n.rsplit("-", 1)[1].isdigit()} - {os.getpid()})
+    return server, pids
 
 
 def unreachable(exc: redis.RedisError) -> str:

@@ -145,7 +145,6 @@ def run_worker(
 ) -> None:
     """Run a worker in the foreground until it is stopped (SIGTERM: warm shutdown)."""
     setup_logging(loglevel)
-    broker_url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
     names = worker_datasets(cfg, datasets)
     if kind == "gpu":
         engine, settings = cfg.engine(engine)
@@ -166,6 +165,8 @@ def run_worker(
         label = f"cloud-{backend_name}"
     else:
         raise ConfigError(f"unknown worker kind {kind!r}")
+    # Only once the settings are known good: a worker refused for its config starts no Redis.
+    broker_url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
     hostname = f"{name or label}@{socket.gethostname()}"
     r = connect(broker_url)
     refuse_duplicate_name(r, hostname)

@@ -46,10 +46,13 @@ ONE_SHOT = ("inventory", "export", "import", "reconcile", "status", "failures", 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    code = 1
     try:
-        return _run(args)
+        code = _run(args)
+        return code
     finally:
-        if args.command in ONE_SHOT:
+        # A command that fails leaves nothing it started: not even a worker's private Redis.
+        if args.command in ONE_SHOT or code != 0:
             from draftfleet.broker import release_embedded
 
             release_embedded()
