@@ -276,6 +276,19 @@ class Store:
     def quarantine_path(self, dataset: str) -> Path:
         return self.root / "_quarantine" / f"{check_name(dataset)}.jsonl"
 
+    def quarantined(self, dataset: str) -> Iterator[QuarantineEntry]:
+        """The dataset's quarantined lines, one at a time (the file can be large); a damaged line is skipped."""
+        try:
+            fh = open(self.quarantine_path(dataset), "rb")
+        except FileNotFoundError:
+            return
+        with fh:
+            for line in fh:
+                try:
+                    yield _quarantine_decoder.decode(line)
+                except msgspec.DecodeError:
+                    continue
+
     def quarantine(self, dataset: str, entries: list[QuarantineEntry]) -> None:
         """Add rejects to the dataset's quarantine file, every enqueue's and import's; a line
         rejected again for the same reason (a re-run) is kept once."""
