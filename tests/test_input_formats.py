@@ -193,3 +193,26 @@ def test_the_line_limits_are_the_same_everywhere():
     assert re.search(r"`max_line_bytes`[^.]*4 MiB|4 MiB[^.]*`max_line_bytes`", readme)
     assert re.search(r"`import`[^.]*64 MiB|64 MiB[^.]*`import`", readme.replace("\n", " "))
 
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_the_enqueue_summary_fits_without_cutting_a_header(width):
+    from rich.console import Console
+
+    from draftfleet.cli.enqueue import summary_table
+    from draftfleet.producer.enqueue import EnqueueSummary
+
+    summaries = [EnqueueSummary(dataset="B3_magicoder", version=12, read=999_999, queued=512_000, already_done=487_999,
+                                already_queued=100_000, in_flight=128, failed_before=12, duplicate_in_input=3,
+                                rejected=123_456),
+                 EnqueueSummary(dataset="chat", version=1, read=40, queued=40)]
+    console = Console(width=width, force_terminal=False)
+    with console.capture() as cap:
+        console.print(summary_table(summaries))
+    text = cap.get()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    flat = " ".join(text.split())
+    for word in ("dataset", "(version)", "read", "queued", "now", "stored", "before", "in", "flight", "failed",
+                 "dupli-", "cates", "re-", "jected", "999999", "512000", "487999", "123456", "B3_magicoder", "v12"):
+        assert word in flat, word

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
@@ -49,14 +50,7 @@ def cmd_enqueue(args) -> int:
     if args.json:
         print(msgspec.json.encode(summaries).decode())
         return status
-    table = Table(title="enqueue")
-    for col in ("dataset", "version", "read", "queued", "already done", "already queued", "in flight",
-                "failed before", "duplicates", "rejected"):
-        table.add_column(col, justify="right" if col not in ("dataset",) else "left")
-    for s in summaries:
-        table.add_row(s.dataset, str(s.version), str(s.read), str(s.queued), str(s.already_done),
-                      str(s.already_queued), str(s.in_flight), str(s.failed_before), str(s.duplicate_in_input),
-                      str(s.rejected))
+    table = summary_table(summaries)
     out.print(table)
     for s in summaries:
         if s.rejected:
@@ -67,6 +61,29 @@ def cmd_enqueue(args) -> int:
         if s.closed:
             out.print(f"{s.dataset}: its token budget is reached (closed); raise budget_tokens to queue more")
     return status
+
+
+# Two-line headers of at most 6 characters: with counts of up to 6 digits the table fits 80 columns.
+_COLUMNS = (("read", "read"), ("queued\nnow", "queued"), ("stored\nbefore", "already_done"),
+            ("queued\nbefore", "already_queued"), ("in\nflight", "in_flight"), ("failed\nbefore", "failed_before"),
+            ("dupli-\ncates", "duplicate_in_input"), ("re-\njected", "rejected"))
+
+
+def summary_table(summaries) -> Table:
+    """The summary, one row per dataset, that fits 80 columns (and any wider) without cutting a header."""
+    table = Table(title="enqueue", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+                  collapse_padding=True)
+    table.add_column("dataset\n(version)", overflow="fold", min_width=8)
+    for header, _ in _COLUMNS:
+        table.add_column(header, justify="right", no_wrap=True)
+    for s in summaries:
+        table.add_row(f"{escape(s.dataset)} v{s.version}", *(_count(getattr(s, field)) for _, field in _COLUMNS))
+    return table
+
+
+def _count(n: int) -> str:
+    """Exact up to six digits, then three significant ones (``--json`` has them exact)."""
+    return str(n) if n < 1_000_000 else f"{n / 1e6:.3g}M"
 
 
 def register(sub) -> None:
