@@ -28,11 +28,16 @@ def test_version_and_help_on_every_flag():
     res = run_cli("--version")
     assert res.returncode == 0 and res.stdout.startswith("draftfleet ")
     missing = []
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sp in action.choices.items():
-                missing += [f"{name} {a.option_strings or a.dest}" for a in sp._actions
-                            if not isinstance(a, argparse._HelpAction) and not a.help]
+
+    def walk(parser, prefix):  # every subcommand, also nested ones (worker gpu, worker cloud...)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sp in action.choices.items():
+                    missing.extend(f"{prefix}{name} {a.option_strings or a.dest}" for a in sp._actions
+                                   if not isinstance(a, argparse._HelpAction) and not a.help)
+                    walk(sp, f"{prefix}{name} ")
+
+    walk(build_parser(), "")
     assert not missing, missing
 
 

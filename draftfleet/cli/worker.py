@@ -97,7 +97,7 @@ def register(sub) -> None:
     sp = sub.add_parser("worker", help="run a worker: gpu (one per SGLang or vLLM server), cloud, capture or reconciler",
                         description="Run one worker in the foreground until Ctrl-C or SIGTERM (a warm shutdown). "
                         "`draftfleet worker KIND --help` lists each kind's options.")
-    kinds = sp.add_subparsers(dest="kind", required=True, metavar="KIND")
+    kinds = sp.add_subparsers(dest="kind", required=True, metavar="KIND", help="the kind of worker")
 
     gpu = kinds.add_parser("gpu", help="generate on one SGLang or vLLM server (attached by --url, or launched on --gpu)",
                            description="Generate on one SGLang or vLLM server: attach to a running one (--url, default "
