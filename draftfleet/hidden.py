@@ -158,10 +158,25 @@ def record_units(rec: ResponseRecord, tok: TargetTokenizer) -> list[tuple[list[i
     return units
 
 
+def projected_bytes(bytes_per_token: float, pending_tokens: int, remaining_budget: int | None,
+                    unit_tokens: int, completion_tokens: int) -> int:
+    """What the rest of a dataset will take in the store: the stored turns not captured yet
+    (``pending_tokens``), plus the answers the budget has left to generate, each with its prompt
+    as the stored turns have so far (``unit_tokens`` captured tokens per ``completion_tokens``)."""
+    per_answer_token = unit_tokens / completion_tokens if completion_tokens else 1.0
+    return round((max(0, pending_tokens) + (remaining_budget or 0) * per_answer_token) * bytes_per_token)
+
+
 def bytes_per_token(manifest: CaptureManifest) -> int:
     """What a token costs on disk in the version's dtype: its states, fp8's scale, its int64 id."""
     states = len(manifest.layer_ids) * manifest.hidden_size
     return (states + 4 if manifest.dtype == "float8_e4m3fn" else states * 2) + 8
+
+
+def measured_bytes_per_token(manifest: CaptureManifest, tokens: int, size: int) -> float:
+    """The version's bytes per token: what its files hold (headers included) once it has some, else
+    the dtype's figure (:func:`bytes_per_token`)."""
+    return round(size / tokens, 1) if tokens else float(bytes_per_token(manifest))
 
 
 # -- bfloat16 and safetensors with numpy -------------------------------------------------------
@@ -193,7 +208,10 @@ def fp8_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def _header(path: Path) -> tuple[dict, int]:
     with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its header length)")
+        (n,) = struct.unpack("<Q", head)
         if n > 100_000_000:
             raise ValueError(f"{path}: not a safetensors file")
         return json.loads(fh.read(n)), 8 + n

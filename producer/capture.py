@@ -21,7 +21,8 @@ from celery import Celery
 
 from draftfleet import redis_keys as rk
 from draftfleet.conversation import record_turns
-from draftfleet.hidden import DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings
+from draftfleet.hidden import (DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings,
+                               measured_bytes_per_token, projected_bytes)
 from draftfleet.producer.enqueue import PUBLISH_BATCH, TaskSender
 from draftfleet.queues import waiting_ids
 from draftfleet.schemas.config import FleetConfig
@@ -41,6 +42,9 @@ class CaptureSummary(msgspec.Struct, kw_only=True):
     tokens_to_capture: int
     bytes_estimate: int
     free_bytes: int
+    bytes_per_token: float  # the version's (its files' once it has some), in its dtype
+    budget_tokens_left: int | None  # answer tokens the dataset's budget has left to generate
+    projected_bytes: int  # bytes_estimate plus the states of what the budget has left (with its prompts)
 
 
 def existing_version(hidden: HiddenStore, wanted: CaptureManifest, new_version: bool) -> CaptureManifest | None:
@@ -76,20 +80,27 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
                              dtype=DTYPES[cfg.capture.dtype], created_at=time.time())
     existing = existing_version(hidden, wanted, new_version)
     pending: list[tuple[CaptureTask, int]] = []
-    units = done = 0
+    units = done = unit_tokens = completion_tokens = 0
     version = existing.version if existing is not None else None
     for rec in store.records(dataset):
+        completion_tokens += rec.completion_tokens or len(rec.output_ids)
         for turn, t in enumerate(record_turns(rec)):
             if not t.output_ids:
                 continue
             units += 1
+            unit_tokens += t.prompt_tokens + len(t.output_ids)
             if version is not None and hidden.has(dataset, version, rec.key, turn):
                 done += 1
                 continue
             pending.append((CaptureTask(dataset=dataset, key=rec.key, turn=turn, version=0),
                             t.prompt_tokens + len(t.output_ids)))
     tokens = sum(n for _, n in pending)
-    need = tokens * bytes_per_token(wanted)
+    bpt = (measured_bytes_per_token(existing, *hidden.usage(dataset, existing.version)[1:]) if existing is not None
+           else float(bytes_per_token(wanted)))
+    need = round(tokens * bpt)
+    budget = cfg.dataset(dataset).budget_tokens if any(d.name == dataset for d in cfg.datasets) else None
+    left = max(0, budget - completion_tokens) if budget else None
+    projected = projected_bytes(bpt, tokens, left, unit_tokens, completion_tokens)
     free = shutil.disk_usage(store.root).free
     if need > free and not ignore_space:
         raise CaptureError(f"{dataset}: capturing {len(pending):,} record turns ({tokens:,} tokens) needs about "
@@ -109,8 +120,11 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
             sender.send(task.unit, msgspec.to_builtins(task), f"{dataset} {task.key[:12]} turn {task.turn}")
             queued += 1
     r.delete(rk.capture_progress(dataset))
-    r.hset(rk.capture_progress(dataset), mapping={"version": m.version, "units": units, "done": done,
-                                                  "queued": queued + already, "captured": 0, "failed": 0})
+    r.hset(rk.capture_progress(dataset), mapping={
+        "version": m.version, "units": units, "done": done, "queued": queued + already, "captured": 0, "failed": 0,
+        # for status' projection: bytes per token (x10), tokens to capture and captured since, tokens per answer token
+        "bytes_per_token_x10": round(bpt * 10), "tokens": tokens, "captured_tokens": 0, "unit_tokens": unit_tokens,
+        "completion_tokens": completion_tokens})
     return CaptureSummary(dataset=dataset, version=m.version, layer_ids=m.layer_ids, dtype=m.dtype, units=units, done=done,
                           queued=queued, already_queued=already, tokens_to_capture=tokens, bytes_estimate=need,
-                          free_bytes=free)
+                          free_bytes=free, bytes_per_token=bpt, budget_tokens_left=left, projected_bytes=projected)

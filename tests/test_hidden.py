@@ -124,6 +124,42 @@ def test_capture_versions_refuse_other_settings_and_space(tmp_path, tokenizer_di
     assert v3.bytes_estimate == 30 * (4 * 128 + 4 + 8) and hidden.manifest("ds", 2).dtype == "bfloat16"
 
 
+def test_bytes_per_token_and_the_projection_of_the_budget_left(tmp_path, tokenizer_dir, redis_server):
+    from draftfleet.views.inventory import run_inventory
+    from draftfleet.views.status import capture_rows
+
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, datasets=[
+        {"name": "ds", "path": str(tmp_path / "d.jsonl"), "budget_tokens": 40}])
+    with open(config, "a") as fh:
+        fh.write(f'\n[capture]\nmodel_path = "{_model(tmp_path / "model")}"\ndtype = "fp8"\n')
+    cfg = load_config(config)
+    store = Store(cfg.fleet.store)
+    for i in range(3):  # 3 turns of 6 prompt + 4 answer tokens: 2.5 captured tokens per answer token
+        store.put(_record(f"{i:02x}" * 32, output_ids=[1, 2, 3, 4], completion_tokens=4, prompt_tokens=6))
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    s = queue_capture(cfg, store, app, r, "ds")
+    fp8 = 4 * 128 + 4 + 8  # a token in fp8: its 4 states, its scale, its id
+    assert (s.bytes_per_token, s.budget_tokens_left, s.bytes_estimate) == (fp8, 40 - 12, 30 * fp8)
+    assert s.projected_bytes == (30 + 28 * 2.5) * fp8  # the 3 turns, and the budget's 28 answer tokens with prompts
+    [row] = capture_rows(r, ["ds"], {"ds": 28})
+    assert (row.bytes_per_token, row.projected_bytes) == (fp8, (30 + 70) * fp8)
+    r.hincrby(rk.capture_progress("ds"), "captured_tokens", 10)  # a worker stored a turn
+    assert capture_rows(r, ["ds"], {"ds": 28})[0].projected_bytes == (20 + 70) * fp8
+
+    # once files are stored, the measured figure (headers included) replaces the dtype's
+    m, got = _fp8_unit(t=10)
+    data = encode_safetensors({"token_ids": ("I64", got.ids), "hidden_states": ("F8_E4M3", np.zeros((10, 4, 128), np.uint8)),
+                               "hidden_states_scales": got.scales}, {"prompt_len": "6"})
+    HiddenStore(store).put("ds", 1, "00" * 32, 0, data)
+    [inv] = run_inventory(cfg.fleet.store, cfg, processes=1)
+    h = inv.hidden_states
+    measured = round(len(data) / 10, 1)
+    assert (h.dtype, h.files, h.tokens, h.bytes_per_token) == ("float8_e4m3fn", 1, 10, measured) and measured > fp8
+    assert h.projected_bytes == round((30 - 10 + 70) * measured)
+    again = queue_capture(cfg, store, app, r, "ds")
+    assert again.bytes_per_token == measured and again.bytes_estimate == round(20 * measured)
+
+
 def _fp8_unit(t: int = 3, nan: bool = False):
     from draftfleet.schemas.records import CaptureManifest
     from draftfleet.workers.capture import Captured

@@ -262,9 +262,13 @@ def _queue(task_self) -> str:
     return (task_self.request.delivery_info or {}).get("routing_key", "?")
 
 
-def _event(rt: CaptureRuntime, dataset: str, field: str) -> None:
+def _event(rt: CaptureRuntime, dataset: str, field: str, tokens: int = 0) -> None:
     try:
-        rt.r.hincrby(rk.capture_progress(dataset), field, 1)
+        with rt.r.pipeline(transaction=False) as pipe:
+            pipe.hincrby(rk.capture_progress(dataset), field, 1)
+            if tokens:
+                pipe.hincrby(rk.capture_progress(dataset), "captured_tokens", tokens)
+            pipe.execute()
     except redis.RedisError:
         pass  # progress only: the store is the truth
 
@@ -361,7 +365,7 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
     data = encode_safetensors(tensors, meta)
     if not rt.hidden.put(task.dataset, task.version, task.key, task.turn, data):
         return "duplicate"
-    _event(rt, task.dataset, "captured")
+    _event(rt, task.dataset, "captured", len(ids))
     log.info("captured %s %s turn %d: %d tokens", task.dataset, source, task.turn, len(ids))
     return "stored"
 

@@ -22,7 +22,12 @@ def cmd_capture(args) -> int:
     for c in summaries:
         out.print(f"{c.dataset} capture v{c.version} (layers {c.layer_ids}, {c.dtype}): {c.units:,} record turns, {c.done:,} "
                   f"captured, {c.queued:,} queued ({c.already_queued:,} already queued); {c.tokens_to_capture:,} "
-                  f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB of {c.free_bytes / 1e9:,.1f} GB free", highlight=False)
+                  f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB ({c.bytes_per_token:,.0f} B/token) of "
+                  f"{c.free_bytes / 1e9:,.1f} GB free", highlight=False)
+        if c.budget_tokens_left:
+            out.print(f"  with the {c.budget_tokens_left:,} answer tokens its budget has left: about "
+                      f"{c.projected_bytes / 1e9:,.2f} GB" + (" [yellow]more than the free space[/]"
+                                                              if c.projected_bytes > c.free_bytes else ""))
     return status
 
 

@@ -77,6 +77,9 @@ class HiddenInventory(msgspec.Struct, kw_only=True):
     files: int
     tokens: int
     bytes: int
+    dtype: str = "bfloat16"
+    bytes_per_token: float = 0.0  # what the files hold a token (the dtype's figure while there are none)
+    projected_bytes: int = 0  # what the turns not captured yet and the budget left will take, in this dtype
 
 
 class DatasetInventory(msgspec.Struct, kw_only=True):
@@ -317,17 +320,24 @@ def run_inventory(
             budget = manifest.budget_tokens if manifest else None
         inv = inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,
                                 roundtrip_sample=roundtrip_sample, processes=processes, prompt_keys=keys)
-        out.append(msgspec.structs.replace(inv, hidden_states=_hidden_inventory(store, name, inv.turns)))
+        out.append(msgspec.structs.replace(inv, hidden_states=_hidden_inventory(store, inv)))
     return out
 
 
-def _hidden_inventory(store: Store, dataset: str, units: int) -> HiddenInventory | None:
-    from draftfleet.hidden import HiddenStore
+def _hidden_inventory(store: Store, inv: DatasetInventory) -> HiddenInventory | None:
+    """The latest capture version's files, and what the rest will take: every turn's prompt and answer
+    tokens (what capture feeds the engine) not captured yet, plus the budget left with its prompts."""
+    from draftfleet.hidden import HiddenStore, measured_bytes_per_token, projected_bytes
 
     hidden = HiddenStore(store)
-    m = hidden.manifest(dataset)
+    m = hidden.manifest(inv.dataset)
     if m is None:
         return None
-    files, tokens, size = hidden.usage(dataset, m.version)
-    return HiddenInventory(version=m.version, layer_ids=m.layer_ids, units=units, files=files, tokens=tokens, bytes=size)
+    files, tokens, size = hidden.usage(inv.dataset, m.version)
+    bpt = measured_bytes_per_token(m, tokens, size)
+    fed = inv.prompt_tokens + inv.completion_tokens  # summed over a conversation's turns, as capture feeds them
+    return HiddenInventory(version=m.version, layer_ids=m.layer_ids, units=inv.turns, files=files, tokens=tokens,
+                           bytes=size, dtype=m.dtype, bytes_per_token=bpt,
+                           projected_bytes=projected_bytes(bpt, fed - tokens, inv.remaining_tokens, fed,
+                                                           inv.completion_tokens))
 

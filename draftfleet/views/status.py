@@ -86,6 +86,8 @@ class CaptureRow(msgspec.Struct, kw_only=True):
     captured: int  # of them with a file: those there at queue time plus those stored since
     queued: int  # capture tasks waiting in the queue now
     failed: int
+    bytes_per_token: float | None = None  # the version's, in its dtype (as draftfleet capture last measured)
+    projected_bytes: int | None = None  # what the turns still to capture and the budget left will take
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -168,17 +170,26 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
         ))
     spend = [SpendRow(backend=name, spent_usd=ledger.spend_usd(name), cap_usd=cb.max_spend_usd)
              for name, cb in sorted(cfg.clouds.items())]
-    return Snapshot(at=now, workers=workers, datasets=rows, spend=spend, capture=capture_rows(r, [n for n, _ in chosen]))
+    return Snapshot(at=now, workers=workers, datasets=rows, spend=spend,
+                    capture=capture_rows(r, [n for n, _ in chosen], {d.dataset: d.remaining_tokens for d in rows}))
 
 
-def capture_rows(r: redis.Redis, datasets: list[str]) -> list[CaptureRow]:
+def capture_rows(r: redis.Redis, datasets: list[str], budget_left: dict[str, int | None]) -> list[CaptureRow]:
+    """``budget_left``: the answer tokens each dataset's budget has left (the projection adds their states)."""
+    from draftfleet.hidden import projected_bytes
+
     rows = []
     for name in datasets:
         h = {k.decode(): int(v) for k, v in r.hgetall(rk.capture_progress(name)).items()}
         if h:
+            bpt = h["bytes_per_token_x10"] / 10 if "bytes_per_token_x10" in h else None
+            projected = None if bpt is None else projected_bytes(
+                bpt, h.get("tokens", 0) - h.get("captured_tokens", 0), budget_left.get(name), h.get("unit_tokens", 0),
+                h.get("completion_tokens", 0))
             rows.append(CaptureRow(dataset=name, version=h.get("version", 0), units=h.get("units", 0),
                                    captured=min(h.get("units", 0), h.get("done", 0) + h.get("captured", 0)),
-                                   queued=r.llen(rk.capture_queue(name)), failed=h.get("failed", 0)))
+                                   queued=r.llen(rk.capture_queue(name)), failed=h.get("failed", 0),
+                                   bytes_per_token=bpt, projected_bytes=projected))
     return rows
 
 
@@ -253,7 +264,9 @@ def render(snap: Snapshot) -> Group:
     if not snap.capture:
         return Group(wt, dt, bt, st)
     ct = _table("hidden-state capture", [("dataset", False), ("version", True), ("captured", True), ("of", True),
-                                         ("queued", True), ("failed", True)])
+                                         ("queued", True), ("failed", True), ("B/token", True), ("to come", True)])
     for c in snap.capture:
-        ct.add_row(c.dataset, f"v{c.version}", _n(c.captured), _n(c.units), _n(c.queued), _n(c.failed))
+        ct.add_row(c.dataset, f"v{c.version}", _n(c.captured), _n(c.units), _n(c.queued), _n(c.failed),
+                   _n(round(c.bytes_per_token)) if c.bytes_per_token is not None else "-",
+                   f"{c.projected_bytes / 1e9:,.2f} GB" if c.projected_bytes is not None else "-")
     return Group(wt, dt, bt, st, ct)

@@ -160,13 +160,17 @@ def test_captured_states_match_transformers_and_both_trainers_read_the_exports(
     inv = run_cli("inventory", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
     assert inv.returncode == 0, inv.stderr
     [hs_inv] = [i for i in json.loads(inv.stdout) if i["dataset"] == "hs"]
+    # no budget in this config: nothing more to come once every turn is captured
     assert hs_inv["hidden_states"] == {"version": 1, "layer_ids": [2, 4, 5, 8], "units": 12, "files": 12,
-                                       "tokens": total_tokens, "bytes": total_bytes}, hs_inv["hidden_states"]
+                                       "tokens": total_tokens, "bytes": total_bytes, "dtype": "bfloat16",
+                                       "bytes_per_token": round(total_bytes / total_tokens, 1),
+                                       "projected_bytes": 0}, hs_inv["hidden_states"]
 
     st = run_cli("status", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
     assert st.returncode == 0, st.stderr
     snap = json.loads(st.stdout)
-    assert snap["capture"] == [{"dataset": "hs", "version": 1, "units": 12, "captured": 12, "queued": 0, "failed": 0}]
+    assert snap["capture"] == [{"dataset": "hs", "version": 1, "units": 12, "captured": 12, "queued": 0, "failed": 0,
+                                "bytes_per_token": 4 * 128 * 2 + 8, "projected_bytes": 0}]
     assert [(w["kind"], w["backend"], w["waiting"]) for w in snap["workers"]] == [("capture", "vllm", None)]
 
     # the two exports, read by the trainers' own loaders
