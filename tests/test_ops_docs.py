@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import yaml
@@ -54,3 +55,33 @@ def test_scaling_doc_covers_the_commands_it_promises():
     for expected in ("draftfleet worker gpu --gpu 0", "draftfleet worker gpu --url", "draftfleet worker cloud",
                      "draftfleet flower", "draftfleet status", "draftfleet worker reconciler"):
         assert any(c.startswith(expected) for c in commands), expected
+
+
+# Pages a user is sent to: the user-facing files, and every mention of ENGINES.md anywhere.
+USER_FACING = ["README.md", "RELIABILITY.md", "BENCHMARKS.md", "compose.yaml", "Dockerfile", "ops", "examples"]
+PAGE = re.compile(r"(?<![\w/.:-])([\w./-]*[\w-]\.md)\b")
+
+
+def _texts():
+    for name in USER_FACING:
+        path = REPO / name
+        for p in ([path] if path.is_file() else sorted(q for q in path.rglob("*") if q.is_file())):
+            if p.suffix in (".md", ".sh", ".toml", ".yaml", "") or p.name == "Dockerfile":
+                yield p
+    for p in sorted(REPO.rglob("*.py")):
+        if p != Path(__file__) and not {".venv", ".git"} & set(p.relative_to(REPO).parts) and "ENGINES.md" in p.read_text():
+            yield p
+
+
+def test_every_page_a_user_is_sent_to_exists():
+    missing = []
+    for path in _texts():
+        text = path.read_text(errors="replace")
+        for page in PAGE.findall(text):
+            if path.suffix == ".py" and not page.endswith("ENGINES.md"):
+                continue
+            if not ((path.parent / page).exists() or (REPO / page).exists()):
+                missing.append(f"{path.relative_to(REPO)}: {page}")
+    assert not missing, missing
+    assert "Facts: ENGINES.md" in (REPO / "ops" / "vllm-cpu-env.sh").read_text()  # the page beside the script
+    assert (REPO / "ops" / "ENGINES.md").exists()

@@ -37,7 +37,7 @@ TINY_MODEL = HERE / "tiny_model.py"
 MODEL_CACHE = Path.home() / ".cache" / "draftfleet" / "models"
 SERVED_NAME = "tiny-llama"
 ENV_VARS = {"vllm": "DRAFTFLEET_VLLM_ENV", "sglang": "DRAFTFLEET_SGLANG_ENV"}
-# vLLM's CPU build (ENGINES.md): 1 GiB of KV cache; no thread pinning on cores others share.
+# vLLM's CPU build (ops/ENGINES.md): 1 GiB of KV cache; no thread pinning on cores others share.
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_TARGET_DEVICE": "cpu",
                 "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 

@@ -4,7 +4,7 @@
 
 Nothing is downloaded: the weights are drawn from a fixed seed, so the same inputs give the same
 model (bf16, ``save_pretrained`` with the tokenizer's files beside it). The shape is the one
-ENGINES.md gives (hidden 128, 2 heads of 64, 1 KV head, 8 layers so that the hidden-state layers
+ops/ENGINES.md gives (hidden 128, 2 heads of 64, 1 KV head, 8 layers so that the hidden-state layers
 r_2, r_{N/2}, r_{N-3} are distinct). Weights are drawn wider than transformers' default (std 0.1,
 not 0.02) so that the context, not just the last token, decides the next one: different prompts
 get different answers. A random model rarely picks one given id, so greedy decoding would seldom
