@@ -24,6 +24,10 @@ from draftfleet.cli import (
 from draftfleet.cli.common import err
 from draftfleet.schemas.config import ConfigError
 
+DESCRIPTION = ("Generate EAGLE-3 draft-model training data (the target model's own answers, with exact token ids) "
+               "on local GPUs (SGLang, vLLM) and OpenAI-compatible clouds, under a token budget per dataset. "
+               "New here: `draftfleet demo`. Each command: `draftfleet COMMAND --help`.")
+
 # The order `draftfleet --help` lists them in: the work, the services, the operator's views.
 COMMANDS = (enqueue, worker, capture, devtools, services, failures, status, pivot, inventory, data)
 
@@ -31,7 +35,7 @@ COMMANDS = (enqueue, worker, capture, devtools, services, failures, status, pivo
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    p = argparse.ArgumentParser(prog="draftfleet", description=__doc__)
+    p = argparse.ArgumentParser(prog="draftfleet", description=DESCRIPTION)
     p.add_argument("--version", action="version", version=f"%(prog)s {version('draftfleet')}")
     sub = p.add_subparsers(dest="command", required=True)
     for module in COMMANDS:

@@ -1,9 +1,16 @@
-"""``draftfleet demo``: the whole fleet on a laptop, no GPU and no network, in under two minutes.
+"""``draftfleet demo``: what the fleet is for, on a laptop, no GPU and no network, in under a minute.
 
-It starts the store's embedded private Redis and the emulator (standing in for an SGLang
-server and OpenRouter), enqueues the sample datasets from ``examples/``, runs one GPU worker and
-one cloud worker as real subprocesses (``draftfleet worker ...``) until every prompt has its
-result, then stops everything it started and prints what each side produced.
+The story a run tells, with real parts: the store's embedded private Redis, real worker processes
+(``draftfleet worker gpu`` and ``worker cloud``), the real enqueue, pivot and inventory, and two
+emulators standing in for a slow local SGLang server and a fast paid OpenRouter.
+
+1. The GPU worker generates both sample datasets, ``chat`` under a token budget it will reach.
+2. The plan: what is left, how long the GPU would take (its measured rate, free) and what the
+   cloud would charge for it (its configured price).
+3. The pivot: the GPU drains (what it started is stored, what it held goes back to the queue).
+4. The cloud finishes: ``chat`` closes at its budget, ``instruct`` runs out of prompts.
+5. The inventory check: responses and tokens per dataset and side, the validation, then the next
+   command to type. Everything it started is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -15,21 +22,46 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import msgspec
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from draftfleet.devtools import samples
-from draftfleet.views import status
+from draftfleet.assign import assign
 from draftfleet.broker import EmbeddedRedis, connect
+from draftfleet.devtools import samples
 from draftfleet.schemas.config import load_config
 from draftfleet.store import Store
+from draftfleet.views import status
 
 DEMO_KEY_ENV = "DRAFTFLEET_DEMO_API_KEY"
+CHAT_BUDGET = 2400
+"""``chat``'s token budget in the demo: about two thirds of what its 40 prompts would take."""
+GPU_SHARE = 0.35
+"""The share of the prompts the GPU generates before the pivot."""
+GPU_INFLIGHT = 8
+PHASE_S = 25.0  # the longest the GPU phase may take on a slow machine before the pivot anyway
+
+
+class PlanRow(msgspec.Struct, kw_only=True):
+    dataset: str
+    tokens_left: int
+    gpu_tokens_per_s: float
+    gpu_time_s: float | None
+    cloud: str
+    cloud_cost_usd: float | None
+
+
+class InventoryRow(msgspec.Struct, kw_only=True):
+    dataset: str
+    responses: int
+    completion_tokens: int
+    budget_tokens: int | None
+    closed: bool
+    by_side: dict[str, list[int]]  # "backend (token source)" -> [responses, tokens]
+    spend_usd: float
+    valid: bool
 
 
 def examples_dir() -> Path:
@@ -40,13 +72,14 @@ def examples_dir() -> Path:
     return samples.build_examples(Path(tempfile.mkdtemp(prefix="draftfleet-examples-")))
 
 
-def write_demo_config(folder: Path, examples: Path, emulator_url: str) -> Path:
+def write_demo_config(folder: Path, examples: Path, gpu_url: str, cloud_url: str) -> Path:
     text = samples.EXAMPLE_CONFIG
     text = text.replace('store = "store"', f'store = "{folder / "store"}"')
     text = text.replace('tokenizer = "tokenizer"', f'tokenizer = "{examples / "tokenizer"}"')
     text = text.replace('path = "data/', f'path = "{examples / "data"}/')
-    text = text.replace("http://127.0.0.1:30000", emulator_url)
-    text = text.replace("https://openrouter.ai/api/v1", emulator_url + "/v1")
+    text = text.replace("budget_tokens = 200000", f"budget_tokens = {CHAT_BUDGET}", 1)  # chat's
+    text = text.replace("http://127.0.0.1:30000", gpu_url)
+    text = text.replace("https://openrouter.ai/api/v1", cloud_url + "/v1")
     text = text.replace('api_key_env = "OPENROUTER_API_KEY"', f'api_key_env = "{DEMO_KEY_ENV}"')
     path = folder / "fleet.toml"
     path.write_text(text)
@@ -66,98 +99,210 @@ def _stop(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
             p.wait()
 
 
+class _Failed(Exception):
+    pass
+
+
 def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool = False) -> int:
     from draftfleet.devtools.emulator import Emulator, EmulatorConfig
     from draftfleet.producer.enqueue import enqueue_dataset
     from draftfleet.workers.app import make_app
 
-    console = Console(stderr=as_json)
+    console = Console(stderr=as_json, highlight=False)
     started = time.monotonic()
     keep = store is not None
     folder = Path(store).resolve() if keep else Path(tempfile.mkdtemp(prefix="draftfleet-demo-"))
     folder.mkdir(parents=True, exist_ok=True)
     examples = examples_dir()
     api_key = "demo-" + os.urandom(8).hex()
-    emulator = Emulator(EmulatorConfig(
-        tokenizer=str(examples / "tokenizer"), model="demo/chatml-600", api_key=api_key,
-        single_stream_tps=400.0, ceiling_tps=20000.0, length="lognormal:90:0.6",
-        price_input_per_mtok=0.6, price_output_per_mtok=2.5,
-    ))
-    emulator.start()
-    cfg = load_config(write_demo_config(folder, examples, emulator.url))
+    common = dict(tokenizer=str(examples / "tokenizer"), model="demo/chatml-600", length="lognormal:90:0.6")
+    # A local GPU that is slow for the job (the seed's problem), and a fast cloud that charges.
+    gpu = Emulator(EmulatorConfig(**common, single_stream_tps=40.0, ceiling_tps=2000.0))
+    cloud = Emulator(EmulatorConfig(**common, api_key=api_key, single_stream_tps=400.0, ceiling_tps=20000.0,
+                                    price_input_per_mtok=0.6, price_output_per_mtok=2.5))
+    gpu.start()
+    cloud.start()
+    cfg = load_config(write_demo_config(folder, examples, gpu.url, cloud.url))
     redis_server = EmbeddedRedis(Path(cfg.fleet.store) / "_redis")
     procs: list[subprocess.Popen] = []
     logs = folder / "logs"
     logs.mkdir(exist_ok=True)
+    names = [d.name for d in cfg.datasets]
+    say = console.print
+    report: dict = {}
     try:
         url = redis_server.ensure()
-        app = make_app(url, cfg.fleet.visibility_timeout_s)
         r = connect(url)
         st = Store(cfg.fleet.store)
+        for name in names:  # 1. starts on the GPU alone: assigned before any worker reads it
+            assign(r, name, {"gpu"})
         env = {**os.environ, DEMO_KEY_ENV: api_key, "REDIS_URL": url}
         base = [sys.executable, "-m", "draftfleet", "worker"]
-        for kind, extra in (("gpu", ["--url", emulator.url, "--inflight", "32"]), ("cloud", ["--backend", "openrouter"])):
+        for kind, extra in (("gpu", ["--url", gpu.url, "--inflight", str(GPU_INFLIGHT)]),
+                            ("cloud", ["--backend", "openrouter"])):
             log = open(logs / f"{kind}.log", "wb")
             procs.append(subprocess.Popen([*base, kind, "--config", str(folder / "fleet.toml"), *extra],
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
-        console.print(f"demo: store {cfg.fleet.store}, emulator {emulator.url}; starting a GPU and a cloud worker",
-                      highlight=False)
-        # Both workers up before anything is queued, so each gets its share.
+        say(f"[bold]draftfleet demo[/]: a private Redis, a slow local SGLang and a paid OpenRouter (both emulated), "
+            f"the sample datasets of {examples}")
+
+        def alive() -> None:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead or time.monotonic() - started > timeout_s:
+                raise _Failed("a worker exited" if dead else f"timed out after {timeout_s:.0f}s")
+
         while len(status.worker_reports(r)) < len(procs):
-            if any(p.poll() is not None for p in procs) or time.monotonic() - started > timeout_s:
-                console.print(f"[red]demo failed: the workers did not start; logs in {logs}[/]")
-                return 1
+            alive()
             time.sleep(0.2)
-        summaries = [enqueue_dataset(cfg, ds, app, r, st) for ds in cfg.datasets]
-        expected = {s.dataset: s.queued + s.already_done + s.already_queued + s.in_flight for s in summaries}
-        console.print(f"demo: {sum(s.queued for s in summaries)} prompts queued", highlight=False)
-        total = sum(expected.values())
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console) as progress:
-            bar = progress.add_task("generating", total=total)
-            while True:
-                done = sum(len(st.keys(name)) for name in expected)
-                progress.update(bar, completed=done)
-                if done >= total:
-                    break
-                dead = [p for p in procs if p.poll() is not None]
-                if dead or time.monotonic() - started > timeout_s:
-                    why = "a worker exited" if dead else f"timed out after {timeout_s:.0f}s"
-                    console.print(f"[red]demo failed: {why}; logs in {logs}[/]")
-                    return 1
-                time.sleep(0.25)
+        app = make_app(url, cfg.fleet.visibility_timeout_s)
+        queued = {s.dataset: s.queued + s.already_queued for s in (enqueue_dataset(cfg, ds, app, r, st)
+                                                                    for ds in cfg.datasets)}
+        total = sum(queued.values())
+        say(f"\n[bold]1. GPU[/] `draftfleet enqueue` queued {total} prompts for one GPU worker ({GPU_INFLIGHT} in "
+            f"flight);\n   chat's budget is {CHAT_BUDGET:,} tokens")
+        phase = time.monotonic()
+        shown = 0.0
+        while True:
+            snap = status.snapshot(cfg, r)
+            done = sum(d.responses for d in snap.datasets)
+            if done >= GPU_SHARE * total or time.monotonic() - phase > PHASE_S:
+                break
+            if time.monotonic() - shown >= 2:
+                say("   " + "   ".join(_progress(d) for d in snap.datasets))
+                shown = time.monotonic()
+            alive()
+            time.sleep(0.25)
+        say("   " + "   ".join(_progress(d) for d in snap.datasets))
+        # 2. the plan
+        plan = _plan(cfg, snap, time.monotonic() - phase)
+        say("\n[bold]2. The plan[/] (`draftfleet inventory` has it too): what is left, on each side")
+        say(_plan_table(plan))
+        # 3. the pivot
+        from draftfleet.views.pivot import pivot
+
+        say(f"\n[bold]3. Pivot[/] `draftfleet pivot {' '.join(f'--dataset {n}' for n in names)} --to cloud`")
+        cloud_started, cost_before = time.monotonic(), _cloud_spend(st, names)  # it starts as the GPU drains
+        result = pivot(r, "cloud", names, timeout_s=60)
+        say(f"   the GPU drained in {result.waited_s:.1f} s: what it had started is stored, what it held is back "
+            "in the queue,\n   and the cloud worker takes it")
+        # 4. the cloud finishes
+        settled = 0
+        while settled < 2:  # twice in a row: a message handed back by the drain is briefly in neither
+            snap = status.snapshot(cfg, r)
+            settled = settled + 1 if _settled(snap, st, queued) else 0
+            alive()
+            time.sleep(0.25)
+        took = time.monotonic() - cloud_started
+        paid = _cloud_spend(st, names) - cost_before
+        planned = sum(p.cloud_cost_usd or 0 for p in plan)
+        say(f"\n[bold]4. The cloud finished[/] in {took:.1f} s for ${paid:.4f} (the plan: ${planned:.4f}): "
+            + "; ".join(f"{d.dataset} {'closed at its budget' if d.closed else 'done'}" for d in snap.datasets))
+        report = {"plan": msgspec.to_builtins(plan), "pivot": msgspec.to_builtins(result),
+                  "cloud": {"seconds": round(took, 1), "cost_usd": round(paid, 6)}}
+    except _Failed as exc:
+        console.print(f"[red]demo failed: {exc}; logs in {logs}[/]")
+        return 1
     finally:
         _stop(procs)
-        emulator.stop()
+        gpu.stop()
+        cloud.stop()
         redis_server.stop()
-    report = _report(st, list(expected))
+    # 5. the inventory check
+    inventory = _inventory(cfg, st, {d.dataset: d.closed for d in snap.datasets})
+    report["inventory"] = msgspec.to_builtins(inventory)
+    report["rows"] = [{"dataset": row.dataset, "backend": side, "responses": n, "completion_tokens": t}
+                      for row in inventory for side, (n, t) in sorted(row.by_side.items())]
     if as_json:
         print(msgspec.json.encode(report).decode())
     else:
-        _print_report(console, report, time.monotonic() - started, folder if keep else None)
+        say("\n[bold]5. The inventory[/] `draftfleet inventory`, read from the store")
+        for row in inventory:
+            budget = f" (its budget: {row.budget_tokens:,})" if row.closed and row.budget_tokens else ""
+            check = "validation ok" if row.valid else "[red]validation failed[/]"
+            say(f"   [bold]{row.dataset}: {row.responses} responses, {row.completion_tokens:,} tokens[/]{budget}; "
+                f"${row.spend_usd:.4f} spent; {check}")
+            for side, (n, t) in sorted(row.by_side.items()):
+                say(f"      {side}: {n} responses, {t:,} tokens")
+        say(f"\nall of it in {time.monotonic() - started:.0f} s; nothing is left running.")
+        if keep:
+            say(f"next: draftfleet export --config {folder / 'fleet.toml'} --dataset chat -f sharegpt "
+                f"--out {folder / 'export'}")
+        else:
+            say("next: draftfleet demo --store demo   (keeps the store and config, then "
+                "draftfleet export --config demo/fleet.toml --dataset chat -f sharegpt --out demo/export);\n"
+                "      your own run: copy examples/fleet.toml, point it at your data and servers, "
+                "then draftfleet enqueue")
     if not keep:
         shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 
-def _report(store: Store, datasets: list[str]) -> dict:
-    rows: dict[tuple[str, str], dict] = defaultdict(lambda: {"responses": 0, "completion_tokens": 0, "cost_usd": 0.0})
-    for name in datasets:
-        for rec in store.records(name):
-            row = rows[(name, f"{rec.backend} ({rec.backend_kind}, {rec.token_source})")]
-            row["responses"] += 1
-            row["completion_tokens"] += rec.completion_tokens
-            row["cost_usd"] += rec.cost_usd
-    return {"rows": [{"dataset": d, "backend": b, **v} for (d, b), v in sorted(rows.items())]}
+def _settled(snap: status.Snapshot, store: Store, queued: dict[str, int]) -> bool:
+    """Every prompt has its outcome: nothing queued, held or running, and each prompt of an open
+    dataset stored or failed (a closed dataset's rest was skipped at its budget)."""
+    for d in snap.datasets:
+        if d.queue_depth or d.held or d.inflight:
+            return False
+        if not d.closed and len(store.keys(d.dataset)) + len(store.failures(d.dataset)) < queued[d.dataset]:
+            return False
+    return True
 
 
-def _print_report(console: Console, report: dict, elapsed: float, kept: Path | None) -> None:
-    table = Table(title=f"demo: what each side produced ({elapsed:.0f}s)")
-    for col in ("dataset", "backend", "responses", "completion tokens", "cost (USD)"):
-        table.add_column(col, justify="left" if col in ("dataset", "backend") else "right")
-    for row in report["rows"]:
-        table.add_row(row["dataset"], row["backend"], str(row["responses"]), str(row["completion_tokens"]),
-                      f"{row['cost_usd']:.4f}")
-    console.print(table)
-    if kept:
-        console.print(f"results kept in {kept / 'store'}; config in {kept / 'fleet.toml'}", highlight=False)
+def _progress(d: status.DatasetRow) -> str:
+    budget = f"/{d.budget_tokens:,}" if d.budget_tokens and d.budget_tokens < 100_000 else ""
+    return f"{d.dataset}: {d.responses} done, {d.completion_tokens:,}{budget} tokens"
+
+
+def _plan(cfg, snap: status.Snapshot, elapsed_s: float) -> list[PlanRow]:
+    """What is left of each dataset, the GPU's time for it at its rate so far (its tokens over the
+    ``elapsed_s`` it ran) and the cloud's price for it (its configured output price, as the
+    inventory's cost to finish)."""
+    [(cloud_name, cb)] = cfg.clouds.items()
+    rows = []
+    for d in snap.datasets:
+        mean = d.completion_tokens / d.responses if d.responses else 0
+        left = round((d.queue_depth + d.held) * mean)
+        if d.remaining_tokens is not None:
+            left = min(left, d.remaining_tokens)
+        gpu_tps = sum(b.completion_tokens for b in d.backends if b.backend in ("sglang", "vllm")) / elapsed_s
+        cost = left * cb.price_output_per_mtok / 1e6
+        rows.append(PlanRow(dataset=d.dataset, tokens_left=left, gpu_tokens_per_s=round(gpu_tps, 1),
+                            gpu_time_s=round(left / gpu_tps, 1) if gpu_tps else None, cloud=cloud_name,
+                            cloud_cost_usd=round(cost, 6)))
+    return rows
+
+
+def _plan_table(plan: list[PlanRow]) -> Table:
+    t = Table(box=None, padding=(0, 2), pad_edge=False)
+    for col in ("dataset", "tokens left", "GPU: tok/s", "time", "cost", "cloud: cost"):
+        t.add_column(col, justify="left" if col == "dataset" else "right")
+    for p in plan:
+        t.add_row(f"   {p.dataset}", f"{p.tokens_left:,}", f"{p.gpu_tokens_per_s:,.0f}",
+                  f"{p.gpu_time_s:.0f} s" if p.gpu_time_s is not None else "-", "$0",
+                  f"${p.cloud_cost_usd:.4f}" if p.cloud_cost_usd is not None else "-")
+    return t
+
+
+def _cloud_spend(store: Store, names: list[str]) -> float:
+    return sum(rec.cost_usd for name in names for rec in store.records(name) if rec.backend_kind == "cloud")
+
+
+def _inventory(cfg, store: Store, closed: dict[str, bool]) -> list[InventoryRow]:
+    from draftfleet.tokenizer import TargetTokenizer
+    from draftfleet.views.inventory import run_inventory
+
+    rows = []
+    for inv in run_inventory(store.root, cfg, tokenizer=TargetTokenizer.from_config(cfg.fleet), processes=1):
+        v = inv.validation
+        rows.append(InventoryRow(
+            dataset=inv.dataset, responses=inv.responses, completion_tokens=inv.completion_tokens,
+            budget_tokens=inv.budget_tokens, closed=closed.get(inv.dataset, False),
+            by_side={f"{s.backend} ({s.token_source})": [s.responses, s.completion_tokens] for s in inv.by_source},
+            spend_usd=inv.spend_usd, valid=_valid(v)))
+    return rows
+
+
+def _valid(v) -> bool:
+    """The inventory's checks: records that decode, ids in the vocabulary, stops that end in end-of-turn."""
+    return not (v.schema_errors or v.unreadable_files or v.ids_out_of_vocab or v.stop_without_eot
+                or v.duplicate_prompts)
