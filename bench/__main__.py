@@ -15,10 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import admission, enqueue, inventory, overhead, report, retokenize, saturation, vllm
+from . import admission, enqueue, inventory, overhead, readers, report, retokenize, saturation, vllm
 from .env import REPO, Section, fresh_dir, machine
 
-NAMES = ("saturation", "vllm", "overhead", "inventory", "retokenize", "enqueue", "admission")
+NAMES = ("saturation", "vllm", "overhead", "inventory", "retokenize", "enqueue", "admission", "readers")
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
@@ -28,6 +28,7 @@ FLAGS = {
     "retokenize": ("retok_answers", "retok_mean", "retok_batch", "repeats"),
     "enqueue": ("enqueue_prompts",),
     "admission": ("admission_inflight", "admission_rounds", "admission_baseline"),
+    "readers": ("readers_rows", "repeats"),
 }
 
 
@@ -78,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--admission-rounds", type=int, default=2000, help="tasks timed per row (fewer past 20 s)")
     g.add_argument("--admission-baseline", default="",
                    help="a checkout of an earlier commit to measure side by side (git worktree add PATH COMMIT)")
+    g = p.add_argument_group("readers")
+    g.add_argument("--readers-rows", type=int, default=100_000, help="ShareGPT rows in each file")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best kept) where a run is short")
     return p
 
@@ -116,6 +119,8 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
     if name == "admission":
         return admission.run(folder, inflight=args.admission_inflight, rounds=args.admission_rounds,
                              baseline=args.admission_baseline or None)
+    if name == "readers":
+        return readers.run(folder, n=args.readers_rows, repeats=args.repeats)
     return enqueue.run(folder, prompts=args.enqueue_prompts)
 
 

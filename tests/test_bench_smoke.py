@@ -15,6 +15,7 @@ SMALLEST = {
     "inventory": ["--inventory-b3", "20:50", "--inventory-large", "50:20", "--repeats", "1"],
     "retokenize": ["--retok-answers", "20", "--retok-mean", "30", "--retok-batch", "8", "--repeats", "1"],
     "admission": ["--admission-inflight", "10", "--admission-rounds", "20"],
+    "readers": ["--readers-rows", "50", "--repeats", "1"],
     "overhead": ["--overhead-tasks", "40", "--overhead-inflight", "4"],
     "saturation": ["--concurrency", "8", "--warmup", "1", "--window", "3", "--length", "lognormal:20:0.3"],
 }

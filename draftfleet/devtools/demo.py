@@ -175,7 +175,8 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
         say("   " + "   ".join(_progress(d) for d in snap.datasets))
         # 2. the plan
         plan = _plan(cfg, snap, time.monotonic() - phase)
-        say("\n[bold]2. The plan[/] (`draftfleet inventory` has it too): what is left, on each side")
+        say("\n[bold]2. The plan[/]: what is left, the GPU's time for it (free) and the cloud's price for it "
+            "(`draftfleet inventory`: cost to finish)")
         say(_plan_table(plan))
         # 3. the pivot
         from draftfleet.views.pivot import pivot
