@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 import numpy as np
@@ -113,7 +115,8 @@ class TargetModel(msgspec.Struct, frozen=True, kw_only=True):
                     continue
                 header, offset = _header(file)
                 if name in header:
-                    w = _read_tensor(file, header[name], offset)
+                    with open(file, "rb") as fh:
+                        w = _read_tensor(fh, header[name], offset)
                     return bf16_to_f32(w) if header[name]["dtype"] == "BF16" else w.astype(np.float32)
         except (OSError, ValueError, KeyError) as exc:
             raise CaptureError(f"{folder}: cannot read the final norm weight ({exc})") from None
@@ -206,34 +209,70 @@ def fp8_to_f32(bits: np.ndarray) -> np.ndarray:
     return _FP8[bits]
 
 
-def _header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than its header length)")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100_000_000:
-            raise ValueError(f"{path}: not a safetensors file")
-        return json.loads(fh.read(n)), 8 + n
+_ITEMSIZE = {name: np.dtype(t).itemsize for name, t in _DTYPES.items()}
+MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 
-def _read_tensor(path: Path, info: dict, offset: int) -> np.ndarray:
+def _header(path: str | Path, fh: BinaryIO | None = None) -> tuple[dict, int]:
+    """The checked header of a safetensors file (tensor entries and ``__metadata__``) and where
+    its data starts. Anything malformed (short, a header that is not JSON or not objects, an
+    unknown dtype, a shape or offsets that do not fit the file) raises ``ValueError`` naming the
+    file and the part: an engine or a disk can hand over any bytes."""
+    if fh is None:
+        with open(path, "rb") as own:
+            return _header(path, own)
+    size = os.fstat(fh.fileno()).st_size
+    head = fh.read(8)
+    if len(head) < 8:
+        raise ValueError(f"{path}: {size} bytes, not a safetensors file (no 8-byte header length)")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER or 8 + n > size:
+        raise ValueError(f"{path}: header length {n} does not fit the file's {size} bytes")
+    try:
+        header = json.loads(fh.read(n))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: the header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is a JSON {type(header).__name__}, not an object")
+    data_len = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
+                raise ValueError(f"{path}: __metadata__ is not an object of strings")
+            continue
+        if not isinstance(info, dict):
+            raise ValueError(f"{path}: header entry {name!r} is a JSON {type(info).__name__}, not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {dtype!r}, not one of {', '.join(_DTYPES)}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"{path}: tensor {name!r} has shape {shape!r}, not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_len):
+            raise ValueError(f"{path}: tensor {name!r} has data_offsets {offsets!r} outside its {data_len} data bytes")
+        if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise ValueError(f"{path}: tensor {name!r} of shape {shape} {dtype} holds {offsets[1] - offsets[0]} bytes")
+    return header, 8 + n
+
+
+def _read_tensor(fh: BinaryIO, info: dict, offset: int) -> np.ndarray:
     start, end = info["data_offsets"]
-    dtype = _DTYPES[info["dtype"]]
-    with open(path, "rb") as fh:
-        fh.seek(offset + start)
-        data = fh.read(end - start)
-    return np.frombuffer(data, dtype=dtype).reshape(info["shape"])
+    fh.seek(offset + start)
+    data = fh.read(end - start)
+    return np.frombuffer(data, dtype=_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
-def read_safetensors(path: str | Path, names: tuple[str, ...] | None = None
+def read_safetensors(path: str | Path, names: tuple[str, ...] | None = None, *, fh: BinaryIO | None = None
                      ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
     """``{name: (dtype, array)}`` (only ``names`` when given) and the metadata; BF16 and F8_E4M3
-    arrays come as their bit patterns (uint16, uint8)."""
-    path = Path(path)
-    header, offset = _header(path)
+    arrays come as their bit patterns (uint16, uint8). ``fh``: read from this open file (``path``
+    then only names it in errors). A malformed file raises ``ValueError`` (``_header``)."""
+    if fh is None:
+        with open(path, "rb") as own:
+            return read_safetensors(path, names, fh=own)
+    header, offset = _header(path, fh)
     meta = header.pop("__metadata__", None) or {}
-    return {name: (info["dtype"], _read_tensor(path, info, offset)) for name, info in header.items()
+    return {name: (info["dtype"], _read_tensor(fh, info, offset)) for name, info in header.items()
             if names is None or name in names}, meta
 
 

@@ -106,17 +106,18 @@ def _strip(text: str, rule: tuple[Strip, Strip]) -> str:
     return text
 
 
-def check_code_folder(path: str) -> None:
-    """With ``trust_remote_code`` the folder's Python runs in every worker: refuse a folder or file
-    in it (a symlink's target included) that a user other than this one or root owns or can write."""
+def check_code_folder(path: str, why: str) -> None:
+    """Refuse a folder of code that another account could change before it runs: the folder, or a
+    file or folder in it (a symlink's target included), owned by a user other than this one or
+    root, or writable by its group or by others. ``why`` says whose code it is, for the error."""
     for root, dirs, files in os.walk(path):
         for p in [root, *(os.path.join(root, n) for n in dirs + files)]:
             st = os.stat(p)
             if st.st_mode & 0o022 or st.st_uid not in (0, os.geteuid()):
                 who = f"writable by other users (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o022 \
                     else f"owned by uid {st.st_uid}"
-                raise TokenizerError(f"tokenizer_trust_remote_code is on and {p} is {who}: its code would run "
-                                     "in every worker; make it yours and not writable by others, or turn the setting off")
+                raise TokenizerError(f"{why} and {p} is {who}: its code would run as this user; make it yours and "
+                                     "not writable by your group or others")
 
 
 class TargetTokenizer:
@@ -129,7 +130,7 @@ class TargetTokenizer:
         if not os.path.isdir(path):
             raise TokenizerError(f"tokenizer folder {path!r} does not exist (a local folder of the target model)")
         if trust_remote_code:
-            check_code_folder(path)
+            check_code_folder(path, "tokenizer_trust_remote_code is on")
         try:
             self._tok = AutoTokenizer.from_pretrained(
                 path, use_fast=use_fast, trust_remote_code=trust_remote_code, local_files_only=True

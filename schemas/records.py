@@ -258,3 +258,18 @@ class CaptureManifest(msgspec.Struct, frozen=True, kw_only=True):
     layer_ids: list[int]
     dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"  # float8: + a float32 scale per token
     created_at: float
+
+
+class EngineContract(msgspec.Struct, frozen=True, kw_only=True):
+    """What the fleet's connector (``workers/vllm_connector.py``) was configured with inside the
+    engine, written into every file it writes (safetensors metadata ``draftfleet_contract``).
+
+    The engine's own account of what it computed: a server started with other layer ids or
+    another model writes states of the same shape, so only this tells them apart."""
+
+    layer_ids: list[int]
+    hidden_size: int
+    num_layers: int
+    dtype: str
+    model: str  # the engine's model path or name (informational: identity is the config's hash)
+    model_config_sha256: str  # of the model folder's config.json, as CaptureManifest's

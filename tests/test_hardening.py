@@ -353,7 +353,7 @@ def test_a_worker_runs_only_genuine_fleet_tasks(tmp_path, redis_server, tokenize
 
 
 # -- trust_remote_code -------------------------------------------------------------------------
-@pytest.mark.parametrize("change", ["file 0666", "folder 0777", "file of another user"])
+@pytest.mark.parametrize("change", ["file 0666", "folder 0777", "file 0664", "folder 0775", "file of another user"])
 def test_remote_code_from_a_folder_others_can_change_is_refused(tmp_path, tokenizer_dir, change):
     import shutil
 
@@ -366,10 +366,10 @@ def test_remote_code_from_a_folder_others_can_change_is_refused(tmp_path, tokeni
     code.chmod(0o644)
     folder.chmod(0o755)
     TargetTokenizer(str(folder), trust_remote_code=True)  # ours, not writable by others: loads
-    if change == "file 0666":
-        code.chmod(0o666)
-    elif change == "folder 0777":
-        folder.chmod(0o777)
+    if change.startswith("file 0"):
+        code.chmod(int(change[5:], 8))
+    elif change.startswith("folder 0"):  # writable by the folder's group only is refused too
+        folder.chmod(int(change[7:], 8))
     else:
         os.chown(code, OTHER_UID, OTHER_UID)
     with pytest.raises(TokenizerError, match="tokenizer_trust_remote_code is on and .* (writable by other users|owned by uid 4242)"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 
 import msgspec
 import numpy as np
@@ -23,7 +24,7 @@ from draftfleet.schemas.config import load_config
 from draftfleet.store import Store
 from draftfleet.workers.app import make_app
 
-from tests.conftest import run_cli, write_config
+from tests.conftest import run_cli, wait_until, write_config
 from tests.test_core import _record
 
 
@@ -257,3 +258,174 @@ def test_units_are_every_turn_with_its_stored_prompt_ids(target_tokenizer):
     assert len(record_turns(single)) == 1 and record_units(single, target_tokenizer) == [(prompt + [3, 4], len(prompt))]
     with pytest.raises(CaptureError, match="another tokenizer or chat template"):
         record_units(msgspec.structs.replace(single, prompt_tokens=len(prompt) + 1), target_tokenizer)
+
+
+# -- the capture worker against an engine whose word is checked (issue 18) -----------------------
+PROMPT_LEN = 15  # _record's messages rendered by the sample tokenizer's template (checked below)
+
+
+def _capture_fleet(tmp_path, tokenizer_dir, engine_url: str, storage, outputs: list[list[int]], max_attempts: int = 2):
+    """A store of records with these output ids, a config whose vLLM is ``engine_url``; (config path, cfg, store)."""
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, max_attempts=max_attempts,
+                          datasets=[{"name": "ds", "path": str(tmp_path / "d.jsonl")}])
+    model = _model(tmp_path / "model")
+    with open(config, "a") as fh:
+        fh.write(f'\n[capture]\nmodel_path = "{model}"\nstorage_path = "{storage}"\ninflight = 2\n'
+                 f'\n[backends.vllm]\nurls = ["{engine_url}"]\nrequest_timeout_s = 30.0\n')
+    cfg = load_config(config)
+    store = Store(cfg.fleet.store)
+    store.prepare()
+    for i, out in enumerate(outputs):
+        _put_record(store, i, out)
+    return config, cfg, store
+
+
+def _put_record(store, i: int, output_ids: list[int]) -> None:
+    """Record i of ``_record``'s prompt, as the GPU worker stores it (prompt_tokens: its render's length)."""
+    store.put(_record(f"{i:02x}" * 32, output_ids=output_ids, prompt_tokens=PROMPT_LEN))
+
+
+def test_prompt_len_is_the_records_render(target_tokenizer):
+    assert len(target_tokenizer.prompt_ids(_record("00" * 32).messages)) == PROMPT_LEN
+
+
+def _model_sha(tmp_path) -> str:
+    return TargetModel.load(_model(tmp_path / "model")).config_sha256
+
+
+def test_capture_stores_nothing_an_engine_of_other_layers_computed(tmp_path, tokenizer_dir, target_tokenizer,
+                                                                    redis_server, workers):
+    from tests.capture_engine import CaptureEngine, contract
+
+    storage = tmp_path / "incoming"
+    sha = _model_sha(tmp_path)
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], sha))
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]] * 3)
+    r, app, hidden = redis_server.client(), make_app(redis_server.url, 3600), HiddenStore(store)
+    assert queue_capture(cfg, store, app, r, "ds").queued == 3
+    workers.start(config, "capture", "--url", engine.url, "--name", "cap", redis_url=redis_server.url)
+    wait_until(lambda: len(list(hidden.files("ds", 1))) == 3, 60, 0.1, f"3 files\n{workers.logs()}")
+    for _key, _turn, path in hidden.files("ds", 1):  # the engine's contract kept with the states
+        assert json.loads(read_safetensors(path)[1]["draftfleet_contract"])["layer_ids"] == [2, 4, 5, 8]
+
+    # the server at that URL restarted by hand with other layer ids: states of the same shape
+    engine.contract = contract([1, 3, 6, 8], sha)
+    for i in (3, 4):
+        _put_record(store, i, [1, 2, 3, 4 + i])
+    assert queue_capture(cfg, store, app, r, "ds").queued == 2
+    refusal = "the engine computed layers [1, 3, 6, 8] (hidden 128, 8 layers, bfloat16, model config"
+    wait_until(lambda: workers.logs(None).count(refusal) >= 2, 60, 0.1, f"two refusals\n{workers.logs()}")
+    line = next(ln for ln in workers.logs(None).splitlines() if refusal in ln)
+    assert "ds v1 wants layers [2, 4, 5, 8]" in line and "nothing stored" in line, line
+    assert len(list(hidden.files("ds", 1))) == 3 and int(r.hget(rk.capture_progress("ds"), "failed") or 0) == 0
+    engine.contract = contract([2, 4, 5, 8], sha)  # a right engine again: the units were left for it
+    wait_until(lambda: len(list(hidden.files("ds", 1))) == 5, 60, 0.1, f"5 files\n{workers.logs()}")
+
+
+@pytest.mark.parametrize("engine_layers, why", [
+    ([1, 3, 6, 8], "the engine computed layers [1, 3, 6, 8] (hidden 128, 8 layers, bfloat16, model config {sha}), "
+                   "this worker's [capture] settings wants layers [2, 4, 5, 8] (hidden 128, 8 layers, bfloat16, "
+                   "model config {sha})"),
+    (None, "carries no draftfleet_contract: the engine does not run the fleet's connector"),
+])
+def test_capture_worker_refuses_to_start_on_an_engine_of_another_contract(tmp_path, tokenizer_dir, redis_server,
+                                                                          engine_layers, why):
+    from tests.capture_engine import CaptureEngine, contract
+
+    storage = tmp_path / "incoming"
+    sha = _model_sha(tmp_path)
+    engine = CaptureEngine(storage, contract(engine_layers, sha) if engine_layers else None)
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]])
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    assert queue_capture(cfg, store, app, r, "ds").queued == 1
+    res = run_cli("worker", "capture", "--config", str(config), "--url", engine.url,
+                  env={"REDIS_URL": redis_server.url, "COLUMNS": "1000"}, timeout=60)
+    assert res.returncode == 1, res
+    [message] = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert why.format(sha=sha[:12]) in message, message
+    assert not list(HiddenStore(store).files("ds", 1)) and r.llen(rk.capture_queue("ds")) == 1  # nothing taken
+    assert not list(storage.iterdir()), "the probe's file is left behind"
+
+
+def _header_only(header: dict, data: bytes = b"") -> bytes:
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + data
+
+
+def test_malformed_engine_files_and_other_ids_are_recorded_failures_never_silent_acks(
+        tmp_path, tokenizer_dir, redis_server, workers):
+    from tests.capture_engine import CaptureEngine, contract, engine_file
+
+    storage = tmp_path / "incoming"
+    right = contract([2, 4, 5, 8], _model_sha(tmp_path))
+    engine = CaptureEngine(storage, right)
+    ids16 = np.zeros(2, np.int64).tobytes()  # two int64 ids: 16 bytes
+    cases = {  # the last output id of a unit -> (the file its answer names, what the worker's log says of it)
+        20: (b"\x01\x02\x03", "3 bytes, not a safetensors file"),
+        21: (_header_only({"hidden_states": 5, "token_ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}},
+                          ids16), "header entry 'hidden_states' is a JSON int, not an object"),
+        22: (struct.pack("<Q", 9) + b"{not json", "the header is not JSON"),
+        23: (struct.pack("<Q", 10**6) + b"{}", "header length 1000000 does not fit"),
+        24: (_header_only(["a", "list"]), "the header is a JSON list, not an object"),
+        25: (_header_only({"token_ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 64]}}, ids16),
+             "data_offsets [0, 64] outside its 16 data bytes"),
+        26: (_header_only({"token_ids": {"dtype": "I64", "shape": [3], "data_offsets": [0, 16]}}, ids16),
+             "of shape [3] I64 holds 16 bytes"),
+        27: (_header_only({"token_ids": {"dtype": "Q99", "shape": [2], "data_offsets": [0, 16]}}, ids16),
+             "has dtype 'Q99'"),
+        28: (_header_only({"__metadata__": {"draftfleet_contract": 7}}), "__metadata__ is not an object of strings"),
+        29: (encode_safetensors({"hidden_states": ("BF16", np.zeros((19, 4, 128), np.uint16)),
+                                 "token_ids": ("I64", np.zeros(19, np.int64))}, {"draftfleet_contract": "{"}),
+             "its draftfleet_contract metadata"),
+        30: (_header_only({"token_ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}}, ids16),
+             "expected token_ids [T] and bf16 hidden_states [T, L, H]"),
+        31: (None, "holds 19 ids that differ from the 19 sent (first at position 18)"),  # a whole file of other ids than those sent (last one changed)
+    }
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage,
+                                        [[1, 2, 3, last] for last in cases], max_attempts=2)
+
+    def answer(ids):
+        if len(ids) == 1:
+            return engine.right(ids)
+        data, _why = cases[ids[-1]]
+        return engine.fresh_path(), data if data is not None else engine_file([*ids[:-1], 99], 4, 128, right)
+
+    engine.answer = answer
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    assert queue_capture(cfg, store, app, r, "ds").queued == len(cases)
+    workers.start(config, "capture", "--url", engine.url, "--name", "cap", redis_url=redis_server.url)
+    progress = rk.capture_progress("ds")
+    wait_until(lambda: int(r.hget(progress, "failed") or 0) == len(cases), 120, 0.2,
+               "every unit counted as failed")
+    wait_until(lambda: not r.hlen(rk.UNACKED) and not r.llen(rk.capture_queue("ds")), 30, 0.2, "every unit settled")
+    log = workers.logs(None)
+    for last, (_data, why) in cases.items():
+        assert why in log, (last, why)
+    assert log.count("failed: hidden_states_") == len(cases) and "unexpected error" not in log
+    assert not list(HiddenStore(store).files("ds", 1)) and int(r.hget(progress, "captured") or 0) == 0
+    assert not list(storage.iterdir()), "the engine's files are left behind"
+
+
+def test_a_unit_stored_by_a_twin_meanwhile_is_not_counted_again(tmp_path, tokenizer_dir, redis_server, workers):
+    from tests.capture_engine import CaptureEngine, contract
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4], [1, 2, 3, 5]])
+    hidden, twin = HiddenStore(store), "01" * 32
+
+    def answer(ids):  # while the engine computes unit 01, a twin worker stores it
+        if ids[-1] == 5:
+            assert hidden.put("ds", 1, twin, 0, b"the twin's file")
+        return engine.right(ids)
+
+    engine.answer = answer
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    assert queue_capture(cfg, store, app, r, "ds").queued == 2
+    workers.start(config, "capture", "--url", engine.url, "--name", "cap", redis_url=redis_server.url)
+    wait_until(lambda: len(engine.requests) == 3 and not r.hlen(rk.UNACKED) and not r.llen(rk.capture_queue("ds")),
+               60, 0.2, "both units settled")
+    wait_until(lambda: int(r.hget(rk.capture_progress("ds"), "captured") or 0) >= 1, 10, 0.1, "one counted")
+    time.sleep(0.5)
+    assert int(r.hget(rk.capture_progress("ds"), "captured")) == 1  # its own, not the twin's
+    assert hidden.path("ds", 1, twin, 0).read_bytes() == b"the twin's file"

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -284,3 +285,94 @@ def _pings(redis, url: str) -> bool:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
     except (redis.RedisError, OSError):
         return False
+
+
+# -- capture: the engine's answer and the code it runs (issue 18) --------------------------------
+def test_an_engines_answer_cannot_name_a_file_outside_the_capture_storage(tmp_path, tokenizer_dir, redis_server,
+                                                                          workers):
+    from draftfleet.hidden import HiddenStore
+    from draftfleet.producer.capture import queue_capture
+    from draftfleet.workers.app import make_app
+
+    from .capture_engine import CaptureEngine, contract
+    from .test_hidden import PROMPT_LEN, _capture_fleet, _model_sha
+
+    storage = tmp_path / "incoming"
+    outside = tmp_path / "home" / ".ssh"
+    outside.mkdir(parents=True)
+    victims = {name: outside / name for name in ("id_ed25519", "dotdot", "linked", "linked.lock")}
+    for p in victims.values():
+        p.write_text(f"the user's {p.name}\n")
+    victims["id_ed25519.lock"] = outside / "id_ed25519.lock"
+    victims["id_ed25519.lock"].write_text("a lock of the user's\n")
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    (storage / "link.safetensors").symlink_to(victims["linked"])
+    (storage / "sub").symlink_to(outside, target_is_directory=True)
+    hostile = {  # the last output id of a unit -> the path its answer names
+        10: str(victims["id_ed25519"]),                                    # absolute, outside
+        11: str(storage / ".." / "home" / ".ssh" / "dotdot"),               # .. out of the folder
+        12: str(storage / "link.safetensors"),                             # a link in the folder to outside
+        13: str(storage / "sub" / "id_ed25519"),                           # through a linked folder
+        14: "id_ed25519",                                                  # relative: resolved against nothing
+        15: str(storage),                                                  # the folder itself
+    }
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage,
+                                        [[1, 2, 3, last] for last in hostile])
+    probe_answered = []
+
+    def answer(ids):
+        if len(ids) == 1:  # the worker's start-up probe: a right answer
+            probe_answered.append(ids)
+            return engine.right(ids)
+        return hostile[ids[-1]], None
+
+    engine.answer = answer
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    assert queue_capture(cfg, store, app, r, "ds").queued == len(hostile)
+    workers.start(config, "capture", "--url", engine.url, "--name", "cap", redis_url=redis_server.url)
+    wait_until(lambda: {ids[-1] for ids in engine.requests if len(ids) == PROMPT_LEN + 4} == set(hostile), 90, 0.2,
+               "every hostile answer given")
+    wait_until(lambda: workers.logs(None).count("not a file inside the capture storage folder") >= len(hostile), 30,
+               0.2, "every answer refused")
+    assert probe_answered and not list(HiddenStore(store).files("ds", 1))
+    for name, p in victims.items():  # nothing outside the folder read away or deleted
+        assert p.read_text().startswith(("the user's", "a lock of")), name
+    assert (storage / "link.safetensors").is_symlink() and (storage / "sub").is_symlink()
+    # the units stay queued for an engine that answers inside the folder, none failed
+    assert int(r.hget(rk.capture_progress("ds"), "failed") or 0) == 0
+
+
+def test_the_engine_imports_the_connector_from_a_private_folder_never_the_data_folder(tmp_path):
+    from draftfleet.schemas.config import VLLMLaunch
+    from draftfleet.tokenizer import check_code_folder
+    from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
+
+    storage = tmp_path / "shared" / "incoming"  # a shared folder others can write into
+    marker = tmp_path / "planted-code-ran"
+    for folder in (storage, storage / ".connector", storage / ".connector" / "draftfleet"):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    connector = connector_folder()
+    try:
+        assert not Path(connector).resolve().is_relative_to(tmp_path)
+        st = os.stat(connector)
+        assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
+        check_code_folder(connector, "test")
+        files = sorted(str(p.relative_to(connector)) for p in Path(connector).rglob("*") if p.is_file())
+        assert files == ["draftfleet/__init__.py", "draftfleet/workers/__init__.py", "draftfleet/workers/vllm_connector.py"]
+        srv = capture_server(VLLMLaunch(model_path=str(tmp_path / "model")), [0], free_port(), [2, 4, 5, 8],
+                             str(storage), connector)
+        pythonpath = srv._env["PYTHONPATH"]
+        assert pythonpath.split(os.pathsep)[0] == connector and str(storage) not in pythonpath
+        # what an interpreter without the fleet (the engine's) imports under that PYTHONPATH: the connector
+        # copy, and no planted code (this venv's editable install would take precedence over PYTHONPATH)
+        done = subprocess.run([getattr(sys, "_base_executable", sys.executable), "-c", "import importlib.util as u; "
+                               "print(u.find_spec('draftfleet.workers.vllm_connector').origin)"],
+                              env={**os.environ, "PYTHONPATH": pythonpath}, capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == os.path.join(connector, "draftfleet", "workers", "vllm_connector.py")
+        assert not marker.exists()
+    finally:
+        remove_connector_folder(connector)
+    assert not os.path.exists(connector)

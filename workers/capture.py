@@ -25,7 +25,9 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,10 +41,10 @@ from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
 from draftfleet.claims import HEARTBEAT_S, Claims
-from draftfleet.hidden import (DTYPES, SCALES, CaptureError, HiddenStore, capture_settings, encode_safetensors,
-                               read_safetensors, record_units, storage_path)
+from draftfleet.hidden import (DTYPES, SCALES, CaptureError, HiddenStore, TargetModel, capture_settings,
+                               encode_safetensors, read_safetensors, record_units, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
-from draftfleet.schemas.records import CaptureManifest, CaptureTask, WorkerReport
+from draftfleet.schemas.records import CaptureManifest, CaptureTask, EngineContract, WorkerReport
 from draftfleet.store import Store, StoreError, check_key, check_name
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
@@ -53,6 +55,8 @@ log = logging.getLogger("draftfleet.capture")
 
 CONNECTOR_CLASS = "DraftfleetHiddenStatesConnector"
 CONNECTOR_MODULE = "draftfleet.workers.vllm_connector"
+CONTRACT_KEY = "draftfleet_contract"  # the connector's metadata entry (vllm_connector.py)
+_contract_decoder = msgspec.json.Decoder(EngineContract)
 FILE_WAIT_S = 120.0  # the connector writes the file after the answer: how long to wait for it
 INFRA_RETRY_S = 5.0
 
@@ -68,46 +72,78 @@ def engine_args(layer_ids: list[int], storage_path: str, dtype: str = "bf16") ->
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
 
 
-def connector_path(folder: str | Path) -> str:
-    """A folder to put on the engine's ``PYTHONPATH`` so that it imports the connector module.
-
-    It holds a ``draftfleet`` package whose ``workers`` is a link to this installation's: the
-    engine imports ``draftfleet.workers.vllm_connector`` and nothing else of the fleet (its own
+def connector_folder() -> str:
+    """A folder of this user's alone to put first on the engine's ``PYTHONPATH``: it holds only
+    ``draftfleet/workers/vllm_connector.py`` (a copy of this installation's) and two empty
+    ``__init__.py``, so the engine imports the connector and nothing else of the fleet (its own
     environment lacks the fleet's dependencies; the fleet's site-packages must not shadow its own).
-    """
-    from draftfleet import workers
 
-    shim = Path(folder) / "draftfleet"
-    shim.mkdir(parents=True, exist_ok=True)
-    (shim / "__init__.py").write_text('"""Only the connector module of the fleet, for the engine."""\n')
-    link = shim / "workers"
-    target = Path(workers.__file__).resolve().parent
-    if not (link.is_symlink() and link.resolve() == target):
-        tmp = shim / f".workers.{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(target, target_is_directory=True)
-        os.replace(tmp, link)
-    return str(folder)
+    Never the data folder: whatever lies in a ``PYTHONPATH`` folder (a ``sitecustomize.py``) runs
+    in the engine. It is made fresh (``mkdtemp``: mode 0700, a new name) for each launch; the
+    worker that made it removes it when it stops (``remove_connector_folder``)."""
+    from draftfleet.tokenizer import check_code_folder
+
+    folder = tempfile.mkdtemp(prefix="draftfleet-connector-")
+    package = Path(folder) / "draftfleet" / "workers"
+    package.mkdir(mode=0o700, parents=True)
+    for init in (package.parent / "__init__.py", package / "__init__.py"):
+        _write_private(init, b'"""Only the connector module of the fleet, for the engine."""\n')
+    _write_private(package / "vllm_connector.py", Path(__file__).with_name("vllm_connector.py").read_bytes())
+    check_code_folder(folder, "the capture engine imports the connector from it")
+    return folder
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def remove_connector_folder(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def capture_server(launch: VLLMLaunch, gpus: list[int], port: int, layer_ids: list[int], storage_path: str,
-                   env: dict[str, str] | None = None, log_path: str | Path | None = None, dtype: str = "bf16"):
-    """The fleet's launcher (``EngineServer``) for a vLLM capture server (not started)."""
+                   connector: str, env: dict[str, str] | None = None, log_path: str | Path | None = None,
+                   dtype: str = "bf16"):
+    """The fleet's launcher (``EngineServer``) for a vLLM capture server (not started); ``connector``
+    is a ``connector_folder()``."""
     from draftfleet.workers.launcher import EngineServer
 
     Path(storage_path).mkdir(parents=True, exist_ok=True)
-    shim = connector_path(Path(storage_path) / ".connector")
     env = dict(env or {})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (connector, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")) if p)
     launch = msgspec.structs.replace(launch, extra_args=[*launch.extra_args, *engine_args(layer_ids, storage_path, dtype)])
     return EngineServer(launch, gpus, port=port, log_path=log_path, env=env)
 
 
+class Captured(NamedTuple):
+    """One engine file: its ids, the states' dtype (the manifest's name) and bits, fp8's scales, and
+    the connector's contract."""
+
+    path: str  # as the engine named it
+    ids: np.ndarray  # int64 [T]
+    dtype: str
+    states: np.ndarray  # bf16 bits uint16 or float8_e4m3fn bits uint8, [T, L, H]
+    scales: tuple[str, np.ndarray] | None  # (safetensors dtype, array) of hidden_states_scales
+    contract: EngineContract | None  # None: not written by the fleet's connector
+
+
+_FILE_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
+
+
 class CaptureClient(VLLMClient):
-    """A vLLM capture server: ids in, the path of their hidden states out, then the file read."""
+    """A vLLM capture server: ids in, the path of their hidden states out, then the file read.
+
+    ``storage`` is the folder the engine's connector writes in (its ``shared_storage_path``): the
+    path an answer names is the engine's word, so only a file inside it is read or deleted."""
+
+    def __init__(self, url: str, settings, tokenizer: TargetTokenizer, *, inflight: int, storage: str | Path):
+        super().__init__(url, settings, tokenizer, inflight=inflight)
+        self.storage = Path(storage)
 
     def capture(self, ids: list[int]) -> Captured:
-        """The engine's file for exactly ``ids``, read."""
+        """The engine's file for exactly ``ids``, read and then deleted (with its ``.lock``)."""
         body: dict = {"prompt": ids, "max_tokens": 1, "temperature": 0.0}
         if self.model:
             body["model"] = self.model
@@ -117,23 +153,50 @@ class CaptureClient(VLLMClient):
         if not isinstance(path, str):
             raise Halt("no_hidden_states", f"{self.endpoint} returned no hidden_states_path: start it with the "
                        "capture flags (draftfleet worker capture --gpu, or README 'Hidden states')")
+        folder, name = _inside(path, self.storage)
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            return _read_engine_file(path)
+            if not os.path.samestat(os.fstat(dir_fd), os.stat(folder)):  # swapped since it was resolved
+                raise Halt("hidden_states_path", f"{folder} changed while it was opened: refused")
+            try:
+                return _read_engine_file(dir_fd, name, path)
+            finally:
+                for n in (name, name + ".lock"):
+                    try:
+                        os.unlink(n, dir_fd=dir_fd)  # never follows a link: removes the entry, in this folder
+                    except OSError:
+                        pass
         finally:
-            for p in (path, path + ".lock"):
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
+            os.close(dir_fd)
 
 
-def _read_engine_file(path: str) -> Captured:
-    """Wait for the connector to finish the file (it holds ``<path>.lock`` while writing), read it."""
+def _inside(path: str, storage: Path) -> tuple[str, str]:
+    """(real folder, file name) of an engine's file, refused (Halt, nothing touched) unless it lies
+    in ``storage`` once every link is resolved: an answer naming ``/home/me/.ssh/id_ed25519`` or a
+    link out of the folder would otherwise have the worker read and delete it."""
+    root = os.path.realpath(storage)
+    real = os.path.realpath(path) if os.path.isabs(path) else root
+    if real == root or os.path.commonpath([root, real]) != root:
+        raise Halt("hidden_states_path", f"the engine named {path!r}, not a file inside the capture storage folder "
+                   f"{root} ([capture] storage_path): refused, nothing read or deleted; start the engine with "
+                   "that folder as its shared_storage_path")
+    return os.path.dirname(real), os.path.basename(real)
+
+
+def _read_engine_file(dir_fd: int, name: str, path: str) -> Captured:
+    """Wait for the connector to finish the file (it holds ``<name>.lock`` while writing), read it.
+    Every malformed file is a ``Transient`` naming it (retried, then the unit's failure)."""
     deadline = time.monotonic() + FILE_WAIT_S
     while True:
         released = False
         try:
-            with open(path + ".lock") as lock:
+            lock = os.open(name + ".lock", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass  # no lock file (yet): the file appears whole or not at all (renamed into place)
+        except OSError as exc:
+            raise Transient("hidden_states_unreadable", f"{path}.lock: {exc.strerror}") from None
+        else:
+            try:
                 while True:
                     try:
                         fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -143,9 +206,9 @@ def _read_engine_file(path: str) -> Captured:
                         if time.monotonic() > deadline:
                             raise Transient("hidden_states_timeout", f"{path} still being written after {FILE_WAIT_S:.0f}s") from None
                         time.sleep(0.02)
-        except FileNotFoundError:
-            pass  # no lock file (yet): the file appears whole or not at all (renamed into place)
-        if os.path.exists(path):
+            finally:
+                os.close(lock)
+        if _exists(dir_fd, name):
             break
         if released:
             raise Transient("hidden_states_missing", f"the engine released {path}.lock without writing the file "
@@ -155,32 +218,77 @@ def _read_engine_file(path: str) -> Captured:
                        "see the engine's storage_path at the same path (same host or a shared file system)")
         time.sleep(0.05)
     try:
-        tensors, _meta = read_safetensors(path)
-    except (OSError, ValueError, KeyError) as exc:
-        raise Transient("hidden_states_unreadable", f"{path}: {exc}") from None
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)  # a link put in its place is refused
+        with os.fdopen(fd, "rb") as fh:
+            tensors, meta = read_safetensors(path, fh=fh)
+    except OSError as exc:
+        raise Transient("hidden_states_unreadable", f"{path}: {exc.strerror}") from None
+    except ValueError as exc:  # it names the file
+        raise Transient("hidden_states_unreadable", str(exc)) from None
     ids, states, scales = tensors.get("token_ids"), tensors.get("hidden_states"), tensors.get(SCALES)
-    if ids is None or states is None or states[0] not in _FILE_DTYPES:
-        raise Transient("hidden_states_unreadable", f"{path}: expected token_ids and bf16 or fp8 hidden_states")
-    return Captured(ids[1].astype(np.int64), _FILE_DTYPES[states[0]], states[1],
-                    None if scales is None else (scales[0], scales[1]))
+    if ids is None or states is None or states[0] not in _FILE_DTYPES or ids[0] not in ("I64", "I32") \
+            or states[1].ndim != 3 or ids[1].ndim != 1:
+        raise Transient("hidden_states_unreadable", f"{path}: expected token_ids [T] and bf16 or fp8 hidden_states "
+                        "[T, L, H]")
+    return Captured(path, ids[1].astype(np.int64), _FILE_DTYPES[states[0]], states[1],
+                    None if scales is None else (scales[0], scales[1]), _contract(meta, path))
 
 
-class Captured(NamedTuple):
-    """One engine file: its ids, the states' dtype (the manifest's name) and bits, fp8's scales."""
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
-    ids: np.ndarray
-    dtype: str
-    states: np.ndarray  # bf16 bits uint16 or float8_e4m3fn bits uint8, [T, L, H]
-    scales: tuple[str, np.ndarray] | None  # (safetensors dtype, array) of hidden_states_scales
+
+def _contract(meta: dict[str, str], path: str) -> EngineContract | None:
+    raw = meta.get(CONTRACT_KEY)
+    if raw is None:
+        return None
+    try:
+        return _contract_decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise Transient("hidden_states_unreadable", f"{path}: its {CONTRACT_KEY} metadata: {exc}") from None
 
 
-_FILE_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
+def wanted_contract(m: CaptureManifest | None = None, *, model: TargetModel | None = None,
+                    layer_ids: list[int] | None = None, dtype: str = "bfloat16") -> EngineContract:
+    """The contract a capture version's files must carry (or this worker's settings, at start)."""
+    if m is not None:
+        return EngineContract(layer_ids=m.layer_ids, hidden_size=m.hidden_size, num_layers=m.num_layers, dtype=m.dtype,
+                              model=m.model, model_config_sha256=m.model_config_sha256)
+    assert model is not None and layer_ids is not None
+    return EngineContract(layer_ids=layer_ids, hidden_size=model.hidden_size, num_layers=model.num_layers,
+                          dtype=dtype, model=model.path, model_config_sha256=model.config_sha256)
+
+
+def _describe(c: EngineContract) -> str:
+    return (f"layers {c.layer_ids} (hidden {c.hidden_size}, {c.num_layers} layers, {c.dtype}, model config "
+            f"{c.model_config_sha256[:12] or 'unknown'})")
+
+
+def check_contract(got: EngineContract | None, want: EngineContract, path: str, wanted_by: str) -> None:
+    """Refuse (Halt: the engine's fault, the unit stays queued) a file whose engine was configured
+    otherwise than ``want`` (the model's path may differ between hosts; its config's hash may not)."""
+    if got is None:
+        raise Halt("engine_contract", f"{path} carries no {CONTRACT_KEY}: the engine does not run the fleet's "
+                   f"connector ({CONNECTOR_MODULE} from draftfleet worker capture --print-engine-command)")
+    if (got.layer_ids, got.hidden_size, got.num_layers, got.dtype, got.model_config_sha256) != \
+            (want.layer_ids, want.hidden_size, want.num_layers, want.dtype, want.model_config_sha256):
+        raise Halt("engine_contract", f"the engine computed {_describe(got)}, {wanted_by} wants {_describe(want)}: "
+                   "nothing stored; start the engine with the version's layers and model")
 
 
 def check_states(ids: list[int], got: Captured, m: CaptureManifest) -> None:
-    """Refuse anything but the states of exactly ``ids`` at the version's layers and dtype; no inf/NaN."""
-    if got.ids.tolist() != ids:
-        raise Transient("hidden_states_ids", f"the engine captured {len(got.ids)} ids that are not the {len(ids)} sent")
+    """Refuse anything but the states of exactly ``ids`` from an engine configured as the version
+    (its contract) at the version's layers and dtype; no inf/NaN."""
+    check_contract(got.contract, wanted_contract(m), got.path, f"{m.dataset} v{m.version}")
+    got_ids = got.ids.tolist()
+    if got_ids != ids:
+        first = next((i for i, (a, b) in enumerate(zip(got_ids, ids)) if a != b), min(len(got_ids), len(ids)))
+        raise Transient("hidden_states_ids", f"{got.path} holds {len(got_ids)} ids that differ from the {len(ids)} "
+                        f"sent (first at position {first})")
     want = (len(ids), len(m.layer_ids), m.hidden_size)
     if got.states.shape != want:
         raise Halt("hidden_states_shape", f"captured states of shape {got.states.shape}, the version wants {want} "
@@ -330,12 +438,18 @@ def execute(task_self, payload: object) -> str:
 def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: list[int], prompt_len: int,
              source: str) -> str:
     """Capture one unit with retries and store it; what happened (``stored``, ``duplicate``, ``failed``)."""
-    got = None
+    got: Captured | None = None
     failure: Exception | None = None
     for attempt in range(1, rt.cfg.fleet.max_attempts + 1):
         try:
-            got = rt.client.capture(ids)
-            check_states(ids, got, m)
+            try:
+                got = rt.client.capture(ids)
+                check_states(ids, got, m)
+            except (Halt, Permanent, Transient):
+                raise
+            except Exception as exc:  # a bug or an unforeseen file must not ack the unit away uncounted
+                log.exception("capture %s/%s turn %d: unexpected error", task.dataset, task.key, task.turn)
+                raise Transient("internal", f"{type(exc).__name__}: {exc}") from None
             failure = None
             break
         except Halt as exc:  # the server, not the unit: back to the queue for when it is fixed
@@ -357,8 +471,10 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
         log.error("capture %s/%s turn %d failed: %s (a later draftfleet capture queues it again)", task.dataset,
                   task.key, task.turn, failure)
         return "failed"
+    assert got is not None and got.contract is not None
     meta = {"dataset": task.dataset, "key": task.key, "turn": str(task.turn), "prompt_len": str(prompt_len),
-            "version": str(task.version), "layer_ids": ",".join(map(str, m.layer_ids)), "model": m.model}
+            "version": str(task.version), "layer_ids": ",".join(map(str, m.layer_ids)), "model": m.model,
+            CONTRACT_KEY: msgspec.json.encode(got.contract).decode()}
     tensors = {"token_ids": ("I64", got.ids), "hidden_states": ("BF16" if got.dtype == "bfloat16" else "F8_E4M3", got.states)}
     if got.scales is not None:
         tensors[SCALES] = got.scales
@@ -417,7 +533,7 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
     tokenizer = TargetTokenizer.from_config(cfg.fleet)
     store = Store(cfg.fleet.store)
     store.prepare()
-    server = client = rt = None
+    server = client = rt = connector = None
     stop_waiting = announce_waiting(r, hostname, "capture", "vllm", redact(url) if url else f"GPU {gpus}", names,
                                     f"vLLM at {redact(url)}" if url else f"vLLM to start on GPU(s) {gpus}")
     try:
@@ -428,15 +544,19 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
             storage = Path(storage_path(cfg)) / label
             for left in storage.glob("*.safetensors*"):
                 left.unlink(missing_ok=True)
-            server = capture_server(launch, gpus, port_for(launch, gpus), layer_ids, str(storage),
+            connector = connector_folder()
+            server = capture_server(launch, gpus, port_for(launch, gpus), layer_ids, str(storage), connector,
                                     dtype=cfg.capture.dtype)
             server.start(wait=True)
             server.supervise()
             url = server.url
+        else:
+            storage = Path(storage_path(cfg))
         n = slots or cfg.capture.inflight
-        client = CaptureClient(url, cfg.vllm, tokenizer, inflight=n)
+        client = CaptureClient(url, cfg.vllm, tokenizer, inflight=n, storage=storage)
         log.info("waiting for vLLM at %s", redact(url))
         client.wait_ready(ready_timeout_s)
+        check_engine(client, wanted_contract(model=model, layer_ids=layer_ids, dtype=DTYPES[cfg.capture.dtype]))
         app = make_app(broker_url, cfg.fleet.visibility_timeout_s)
         app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"
         app.conf.broker_transport = "draftfleet.workers.consumer:Transport"
@@ -459,4 +579,27 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
             client.close()
         if server is not None:
             server.stop()
+        if connector is not None:
+            remove_connector_folder(connector)
         sys.stdout.flush()
+
+
+def check_engine(client: CaptureClient, want: EngineContract) -> None:
+    """Refuse to start (CaptureError) against an engine whose files carry no contract or another
+    one than this worker's settings: one capture of a single token, before any unit is taken."""
+    try:
+        got = client.capture([client.tokenizer.eot_id])
+        check_contract(got.contract, want, got.path, "this worker's [capture] settings")
+    except (Halt, Permanent, Transient) as exc:
+        raise CaptureError(f"{client.endpoint} is not a capture engine this worker can use: {exc}") from None
+
+
+def engine_command(cfg: FleetConfig) -> str:
+    """The ``vllm serve`` command line of a capture server started by hand for ``cfg`` (``worker
+    capture --url``): the extraction and connector flags, with ``PYTHONPATH`` naming a fresh
+    connector folder of this user's (``connector_folder``; remove it once that server is gone)."""
+    import shlex
+
+    model, layer_ids = capture_settings(cfg)
+    args = ["vllm", "serve", model.path, *engine_args(layer_ids, storage_path(cfg), cfg.capture.dtype)]
+    return f"PYTHONPATH={shlex.quote(connector_folder())} {shlex.join(args)}"

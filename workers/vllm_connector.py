@@ -10,6 +10,12 @@ same ``.lock`` protocol: the client takes ``LOCK_SH`` on ``<path>.lock`` and rea
 The file appears complete or not at all (written beside, then renamed): an engine killed
 mid-write leaves no half file for a reader to take.
 
+Every file carries the contract the connector was configured with (safetensors metadata
+``draftfleet_contract``, JSON): the layer ids vLLM was asked for, the target's hidden size and
+layer count, the stored dtype and the model (its ``config.json``'s sha256). States of other layers
+have the same shape as the right ones; the worker compares this contract with the capture
+version's and stores nothing that differs (``capture.py``).
+
 ``kv_connector_extra_config`` ``"dtype": "fp8"`` stores float8 e4m3 states with one float32 scale
 per token, in the writer thread (off the engine's step), exactly as speculators' hs-connectors
 0.9.0 writes them (``fp8_utils.quantize_tensor_to_fp8``: scale = amax over the token's layers and
@@ -24,6 +30,8 @@ in the engine's own environment, where the fleet's dependencies are absent.
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 
 import torch
@@ -54,24 +62,55 @@ def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).to(torch.float8_e4m3fn), scale
 
 
+STORED_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}  # extra config -> the capture manifest's name
+
+
+def contract(vllm_config, dtype: str) -> dict:
+    """What this engine computes and stores, from its own configuration (``schemas.records.EngineContract``)."""
+    model = vllm_config.model_config
+    spec = vllm_config.speculative_config.draft_model_config.hf_config
+    return {"layer_ids": [int(i) for i in getattr(spec, "eagle_aux_hidden_state_layer_ids", None) or []],
+            "hidden_size": int(model.get_hidden_size()), "num_layers": int(model.get_total_num_hidden_layers()),
+            "dtype": STORED_DTYPES[dtype], "model": str(model.model),
+            "model_config_sha256": _config_sha256(str(model.model), model.revision)}
+
+
+def _config_sha256(model: str, revision: str | None) -> str:
+    """sha256 of the model's ``config.json`` (a local folder, else the hub cache); "" when unread."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(model, "config.json", revision=revision)
+        except Exception:  # any failure leaves the identity unknown, which the worker refuses
+            found = None
+        if not isinstance(found, str):
+            return ""
+        path = found
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
 class DraftfleetHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """``ExampleHiddenStatesConnector`` with a synchronous copy and atomic files (CPU and GPU)."""
+    """``ExampleHiddenStatesConnector`` with a synchronous copy, atomic files and the contract in each."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         dtype = self._kv_transfer_config.get_from_extra_config("dtype", "bf16")
-        if dtype not in ("bf16", "fp8"):
+        if dtype not in STORED_DTYPES:
             raise ValueError(f"kv_connector_extra_config dtype {dtype!r}: bf16 or fp8")
         self._fp8 = dtype == "fp8"
+        self._metadata = {"draftfleet_contract": json.dumps(contract(self._vllm_config, dtype), separators=(",", ":"))}
 
     @staticmethod
-    def _write_tensors(tensors: dict[str, torch.Tensor], event, filename: str, lock_fd: int | None,
-                       fp8: bool = False) -> None:
+    def _write_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], filename: str,
+                       lock_fd: int | None, fp8: bool = False) -> None:
         tmp = f"{filename}.{os.getpid()}.partial"
         try:
             if fp8:
                 tensors["hidden_states"], tensors["hidden_states_scales"] = quantize_fp8(tensors["hidden_states"])
-            save_file(tensors, tmp)
+            save_file(tensors, tmp, metadata=metadata)
             os.replace(tmp, filename)
         finally:
             if os.path.exists(tmp):
@@ -97,7 +136,8 @@ class DraftfleetHiddenStatesConnector(ExampleHiddenStatesConnector):
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         done = _Copied()
-        future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd, self._fp8)
+        future = self._executor.submit(self._write_tensors, tensors, self._metadata, pending.filename, lock_fd,
+                                       self._fp8)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(lambda f, req_id=pending.req_id: self._on_write_done(req_id, f))

@@ -75,6 +75,7 @@ def _run(args) -> int:
         import redis
 
         from draftfleet.broker import BrokerError, unreachable
+        from draftfleet.hidden import CaptureError
         from draftfleet.store import StoreError
         from draftfleet.tokenizer import TokenizerError
 
@@ -82,7 +83,7 @@ def _run(args) -> int:
             # redis-py names host and port, never the password
             err.print(f"[red]cannot reach Redis[/]: {escape(unreachable(exc))}", highlight=False)
             return 1
-        if isinstance(exc, (BrokerError, StoreError, TokenizerError, OSError)):
+        if isinstance(exc, (BrokerError, CaptureError, StoreError, TokenizerError, OSError)):
             err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
             return 1
         raise

@@ -53,9 +53,12 @@ def cmd_cloud(args) -> int:
 
 
 def cmd_capture(args) -> int:
-    from draftfleet.workers.capture import run_capture_worker
+    from draftfleet.workers.capture import engine_command, run_capture_worker
 
     cfg = config(args)
+    if args.print_engine_command:
+        print(engine_command(cfg))
+        return 0
     gpus = None
     if args.gpu is not None:
         from draftfleet.workers.launcher import gpu_groups
@@ -129,6 +132,8 @@ def register(sub) -> None:
     capture.add_argument("--url", help="URL of a vLLM server started for capture (see README, Hidden states)")
     capture.add_argument("--gpu", help="launch vLLM with the extraction on these GPUs (one TP group)")
     capture.add_argument("--inflight", type=int, help="capture requests in flight (default [capture].inflight)")
+    capture.add_argument("--print-engine-command", action="store_true",
+                         help="print the `vllm serve` command of a capture server to start by hand for --url, and exit")
     _consumer_flags(capture, "capture queue")
     capture.set_defaults(func=cmd_capture)
 

@@ -27,7 +27,7 @@ import pytest
 
 from draftfleet import redis_keys as rk
 from draftfleet.hidden import HIDDEN_DIR, HiddenStore, TargetModel, encode_safetensors, f32_to_bf16, read_safetensors
-from draftfleet.workers.capture import capture_server
+from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
 
 from ..conftest import free_port, run_cli, wait_until, write_jsonl
 from ..test_faults import CLAIM_ENV, _workers_up
@@ -62,13 +62,15 @@ def capture(tmp_path_factory, tokenizer_dir):
     model = _with_final_norm(tiny_model(engine.python, tokenizer_dir), folder / "model")
     storage = folder / "incoming"
     layer_ids = TargetModel.load(model).layer_ids(None)
-    srv = capture_server(engine.launch(model, 900.0), [0], free_port(), layer_ids, str(storage), env=engine.env,
-                         log_path=folder / "server.log")
+    connector = connector_folder()
+    srv = capture_server(engine.launch(model, 900.0), [0], free_port(), layer_ids, str(storage), connector,
+                         env=engine.env, log_path=folder / "server.log")
     srv.start()
     try:
         yield Capture(engine, model, srv, storage)
     finally:
         srv.stop()
+        remove_connector_folder(connector)
 
 
 @pytest.fixture(scope="module")
