@@ -29,7 +29,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.hidden import HIDDEN_DIR, HiddenStore, TargetModel, encode_safetensors, f32_to_bf16, read_safetensors
 from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
 
-from ..conftest import free_port, run_cli, wait_until, write_jsonl
+from ..conftest import free_port, run_cli, wait_until, write_config, write_jsonl
 from ..test_faults import CLAIM_ENV, _workers_up
 from ..test_fleet import _chat_rows, _enqueue
 from .real import find_engine, tiny_model
@@ -77,14 +77,16 @@ def capture(tmp_path_factory, tokenizer_dir):
 def capture_fp8(capture, tmp_path_factory):
     """A second capture server of the same model whose connector writes fp8 (``[capture] dtype = "fp8"``)."""
     folder = tmp_path_factory.mktemp("capture-fp8-server")
-    storage = folder / "incoming"
+    storage = capture.storage  # the config's [capture] storage_path: a worker takes files from there only
+    connector = connector_folder()
     srv = capture_server(capture.engine.launch(capture.model, 900.0), [0], free_port(), capture.layer_ids, str(storage),
-                         env=capture.engine.env, log_path=folder / "server.log", dtype="fp8")
+                         connector, env=capture.engine.env, log_path=folder / "server.log", dtype="fp8")
     srv.start()
     try:
         yield Capture(capture.engine, capture.model, srv, storage)
     finally:
         srv.stop()
+        remove_connector_folder(connector)
 
 
 def _with_final_norm(model: Path, dest: Path) -> Path:
@@ -311,3 +313,74 @@ def test_fp8_capture_reads_through_speculators_fp8_path_within_fp8_of_bf16(
                                      "4096", "fp8")
     assert len(read["specforge"]) == 8 and all(r["dtypes"]["aux_hidden_state"] == "torch.bfloat16"
                                                 for r in read["specforge"])
+
+
+def test_a_server_started_by_hand_with_other_layers_stores_nothing(tmp_path, redis_server, tokenizer_dir):
+    """Issue 18: a `vllm serve` started by hand (the command `worker capture --print-engine-command`
+    prints, for other aux layers) and attached with `worker capture --url`: the worker refuses to
+    start, naming both sets of layers, and nothing is stored or taken from the queue. Data planted
+    in the storage folder never runs in the engine."""
+    import httpx
+
+    from draftfleet.store import Store
+
+    from ..test_core import _record
+    from ..test_hidden import PROMPT_LEN
+
+    engine, why = find_engine("vllm")
+    if engine is None:
+        pytest.skip(why)
+    model = tiny_model(engine.python, tokenizer_dir)
+    storage = tmp_path / "incoming"
+    marker = tmp_path / "planted-code-ran"
+    for folder in (storage, storage / ".connector"):
+        folder.mkdir(parents=True)
+        (folder / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, datasets=[{"name": "hand", "path": str(tmp_path / "d.jsonl")}])
+    port = free_port()
+    capture = f'\n[capture]\nmodel_path = "{model}"\nstorage_path = "{storage}"\n'
+    vllm = f'\n[backends.vllm]\nurls = ["http://127.0.0.1:{port}"]\n'
+    hand = tmp_path / "hand.toml"
+    hand.write_text(config.read_text() + capture + "aux_layers = [1, 3, 6]\n" + vllm)
+    with open(config, "a") as fh:
+        fh.write(capture + vllm)
+    store = Store(tmp_path / "store")
+    store.prepare()
+    for i in range(3):
+        store.put(_record(f"{i:02x}" * 32, dataset="hand", output_ids=[5, 6, 7, 8 + i], prompt_tokens=PROMPT_LEN))
+
+    printed = run_cli("worker", "capture", "--config", str(hand), "--print-engine-command")
+    assert printed.returncode == 0, printed.stderr
+    command = printed.stdout.strip()
+    assert '"eagle_aux_hidden_state_layer_ids": [1, 3, 6, 8]' in command and str(storage) in command, command
+    connector = command.split(" ", 1)[0].removeprefix("PYTHONPATH=")
+    assert not connector.startswith(str(storage)), command
+    log = open(tmp_path / "by-hand.log", "wb")
+    proc = subprocess.Popen(["bash", "-c", f"{command} --host 127.0.0.1 --port {port} {' '.join(engine.extra_args)}"],
+                            env={**os.environ, **engine.env, "PATH": f"{Path(engine.python).parent}:{os.environ['PATH']}"},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, (tmp_path / "by-hand.log").read_text()[-3000:]
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, 600, 1.0, "the server started by hand")
+        [queued] = _capture_cli(config, redis_server.url)
+        assert (queued["layer_ids"], queued["queued"]) == ([2, 4, 5, 8], 3)
+        res = run_cli("worker", "capture", "--config", str(config), "--url", f"http://127.0.0.1:{port}",
+                      env={"REDIS_URL": redis_server.url, "COLUMNS": "1000"}, timeout=300)
+        assert res.returncode == 1, res
+        [message] = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+        assert ("the engine computed layers [1, 3, 6, 8] (hidden 128, 8 layers, bfloat16" in message
+                and "this worker's [capture] settings wants layers [2, 4, 5, 8] (hidden 128, 8 layers" in message), message
+        assert not _files_by_unit(store, "hand") and redis_server.client().llen(rk.capture_queue("hand")) == 3
+        assert sorted(p.name for p in storage.iterdir()) == [".connector", "sitecustomize.py"]  # the probe's file taken
+        assert not marker.exists(), "code planted in the storage folder ran in the engine"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+        log.close()
+        shutil.rmtree(connector, ignore_errors=True)
