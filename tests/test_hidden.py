@@ -170,7 +170,10 @@ def _fp8_unit(t: int = 3, nan: bool = False):
     states = np.full((t, 4, 4), 0x38, dtype=np.uint8)  # 1.0 in e4m3
     if nan:
         states[1, 2, 3] = 0xFF
-    return m, Captured(np.arange(t, dtype=np.int64), "float8_e4m3fn", states, ("F32", np.full((t, 1, 1), 0.5, np.float32)))
+    from draftfleet.workers.capture import wanted_contract
+
+    return m, Captured("/incoming/x.safetensors", np.arange(t, dtype=np.int64), "float8_e4m3fn", states,
+                       ("F32", np.full((t, 1, 1), 0.5, np.float32)), wanted_contract(m))
 
 
 def test_fp8_states_are_checked_like_bf16_ones():
@@ -378,7 +381,7 @@ def test_malformed_engine_files_and_other_ids_are_recorded_failures_never_silent
                                  "token_ids": ("I64", np.zeros(19, np.int64))}, {"draftfleet_contract": "{"}),
              "its draftfleet_contract metadata"),
         30: (_header_only({"token_ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}}, ids16),
-             "expected token_ids [T] and bf16 hidden_states [T, L, H]"),
+             "expected token_ids [T] and bf16 or fp8 hidden_states"),
         31: (None, "holds 19 ids that differ from the 19 sent (first at position 18)"),  # a whole file of other ids than those sent (last one changed)
     }
     config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage,
