@@ -4,6 +4,9 @@ Counting is idempotent: one Lua script adds the key to the dataset's counted set
 totals only if it was not there, so a redelivered task, or a worker that stored a record and died
 before counting it (the next copy finds the record and counts it), never counts twice. The same
 script settles the key's budget reservation, so committed and reserved tokens move together.
+A conversation's turns count against the budget the moment each is paid (``prepay``: the
+dataset's ``paid_tokens``), before its record exists; counting the record moves them into the
+totals. Admission's committed tokens are the counted ones plus those.
 
 Budget admission, in two phases. Before generating, a task reserves the dataset's expected tokens
 (the running mean). (1) Tasks are admitted freely while committed + reserved + half a response
@@ -94,27 +97,70 @@ end
 
 _COUNT_ONCE = _SETTLE + """
 settle_one(KEYS[5], KEYS[7], KEYS[8], ARGV[1])
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
-for _, h in ipairs({KEYS[2], KEYS[4]}) do
-  redis.call('HINCRBY', h, 'responses', 1)
-  redis.call('HINCRBY', h, 'prompt_tokens', ARGV[2])
-  redis.call('HINCRBY', h, 'completion_tokens', ARGV[3])
-  redis.call('HINCRBY', h, 'cost_micro_usd', ARGV[4])
-end
-if #KEYS == 8 then
-  redis.call('HINCRBY', KEYS[3], 'cost_micro_usd', ARGV[4])
-else  -- a conversation: each turn to the spend of the backend that paid it, unless added when paid
-  for i = 10, #KEYS do
-    if redis.call('HDEL', KEYS[9], i - 10) == 0 then redis.call('HINCRBY', KEYS[i], 'cost_micro_usd', ARGV[i - 3]) end
+local added = redis.call('SADD', KEYS[1], ARGV[1])
+if added == 1 then
+  for _, h in ipairs({KEYS[2], KEYS[4]}) do
+    redis.call('HINCRBY', h, 'responses', 1)
+    redis.call('HINCRBY', h, 'prompt_tokens', ARGV[2])
+    redis.call('HINCRBY', h, 'completion_tokens', ARGV[3])
+    redis.call('HINCRBY', h, 'cost_micro_usd', ARGV[4])
   end
-  redis.call('DEL', KEYS[9])
+  if #KEYS == 8 then
+    redis.call('HINCRBY', KEYS[3], 'cost_micro_usd', ARGV[4])
+  else  -- a conversation: each turn to the spend of the backend that paid it, unless added when paid
+    for i = 11, #KEYS do
+      if redis.call('HEXISTS', KEYS[9], i - 11) == 0 then redis.call('HINCRBY', KEYS[i], 'cost_micro_usd', ARGV[i - 4]) end
+    end
+  end
+  redis.call('HINCRBY', KEYS[4], 'latency_ms', ARGV[6])
+  redis.call('HINCRBY', KEYS[4], 'completion_tokens_sq', tonumber(ARGV[3]) * tonumber(ARGV[3]))
+  redis.call('HINCRBY', KEYS[6], 'completion_tokens', ARGV[3])
+  redis.call('HINCRBY', KEYS[6], 'responses', 1)
+  redis.call('EXPIRE', KEYS[6], ARGV[5])
 end
-redis.call('HINCRBY', KEYS[4], 'latency_ms', ARGV[6])
-redis.call('HINCRBY', KEYS[4], 'completion_tokens_sq', tonumber(ARGV[3]) * tonumber(ARGV[3]))
-redis.call('HINCRBY', KEYS[6], 'completion_tokens', ARGV[3])
-redis.call('HINCRBY', KEYS[6], 'responses', 1)
-redis.call('EXPIRE', KEYS[6], ARGV[5])
-return 1
+if #KEYS > 8 then  -- the conversation's paid turns are in its record's count now (or were already)
+  local paid = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[9])) do paid = paid + tonumber(v) end
+  if paid ~= 0 then redis.call('HINCRBY', KEYS[4], 'paid_tokens', -paid) end
+  redis.call('DEL', KEYS[9])
+  redis.call('SREM', KEYS[10], ARGV[1])
+end
+return added
+"""
+
+# A conversation's turn, paid: its cost to the spend (always, from the worker that paid it; from
+# the reconciler only when it was not marked), and its tokens to the dataset's paid_tokens once
+# per (key, turn), unless the key is counted already (a twin's record holds the conversation).
+_PREPAY = """
+local new = 0
+if redis.call('SISMEMBER', KEYS[5], ARGV[4]) == 0 then
+  new = redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3])
+  if new == 1 then
+    redis.call('HINCRBY', KEYS[3], 'paid_tokens', ARGV[3])
+    redis.call('SADD', KEYS[4], ARGV[4])
+  end
+end
+if (new == 1 or ARGV[5] == '1') and tonumber(ARGV[2]) ~= 0 then redis.call('HINCRBY', KEYS[1], 'cost_micro_usd', ARGV[2]) end
+return new
+"""
+
+# The reconciler's rebuild of paid_tokens: the sum over the marks of keys not counted; the marks
+# of counted keys (a twin marked a turn after the count) are dropped. Atomic: no worker's mark or
+# count can fall between the sum and the write.
+_REBUILD_PAID = """
+local total = 0
+for _, k in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local h = ARGV[1] .. k
+  if redis.call('SISMEMBER', KEYS[2], k) == 1 or redis.call('EXISTS', h) == 0 then
+    redis.call('DEL', h)
+    redis.call('SREM', KEYS[1], k)
+  else
+    for _, v in ipairs(redis.call('HVALS', h)) do total = total + tonumber(v) end
+  end
+end
+local have = tonumber(redis.call('HGET', KEYS[3], 'paid_tokens') or '0')
+if have ~= total then redis.call('HSET', KEYS[3], 'paid_tokens', total) end
+return total - have
 """
 
 _RELEASE = _SETTLE + "return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])"
@@ -130,9 +176,12 @@ return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 _ADMIT = _SETTLE + """
 local res, due, agg = KEYS[2], KEYS[5], KEYS[6]
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms')
-local committed, responses = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms',
+                     'paid_tokens')
+local counted, responses = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local sq, latency_ms = tonumber(f[3] or '0'), tonumber(f[4] or '0')
+-- what the budget has spent: the counted records, and the paid turns of conversations not yet stored
+local committed = counted + tonumber(f[5] or '0')
 local budget, expect, cap_tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
 local token = ARGV[9]
 -- the budget enqueue published last (assign.py) wins over the caller's, which may be a second old
@@ -143,7 +192,7 @@ if live then
   if b then budget = tonumber(b) end
 end
 local per_stream = 0
-if latency_ms > 0 then per_stream = committed / latency_ms end  -- tokens per ms of one stream
+if latency_ms > 0 then per_stream = counted / latency_ms end  -- tokens per ms of one stream
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
@@ -205,7 +254,7 @@ local function take()
 end
 if redis.call('EXISTS', KEYS[4]) == 0 then
   local var = expect * expect
-  if responses >= 5 then var = math.max(0, sq / responses - (committed / responses) ^ 2) end
+  if responses >= 5 then var = math.max(0, sq / responses - (counted / responses) ^ 2) end
   local margin = 3 * math.sqrt(var) * math.sqrt(live + 1)
   if committed + reserved + expect / 2 + margin <= budget then take() return done(1) end
   redis.call('HSET', KEYS[4], 'cap', 0, 'admitted', 0)  -- closing rounds start
@@ -233,12 +282,22 @@ take()
 return done(1)
 """
 
-# Empty a closed dataset's queue, unless an enqueue reopened it meanwhile (its new tasks stay).
+# Empty a closed dataset's queue, unless an enqueue reopened it meanwhile (its new tasks stay),
+# but for the conversations with paid turns (in paid_keys): each must come once more, to end as a
+# record of its paid turns. Only then are the messages read (their kombu envelope's headers.id).
 _PURGE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local n = redis.call('LLEN', KEYS[2])
+if redis.call('SCARD', KEYS[3]) == 0 then redis.call('DEL', KEYS[2]) return n end
+local keep = {}
+for _, raw in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
+  local ok, env = pcall(cjson.decode, raw)
+  local id = ok and type(env) == 'table' and type(env.headers) == 'table' and env.headers.id
+  if type(id) == 'string' and redis.call('SISMEMBER', KEYS[3], id) == 1 then keep[#keep + 1] = raw end
+end
 redis.call('DEL', KEYS[2])
-return n
+for i = 1, #keep, 1000 do redis.call('RPUSH', KEYS[2], unpack(keep, i, math.min(i + 999, #keep))) end
+return n - #keep
 """
 
 ADMITTED, WAIT, REFUSED, CLOSED = 1, 2, 0, -1
@@ -260,18 +319,22 @@ class Ledger:
         self._purge = client.register_script(_PURGE)
         self._release = client.register_script(_RELEASE)
         self._drop_dead = client.register_script(_DROP_DEAD)
+        self._prepay = client.register_script(_PREPAY)
+        self._rebuild_paid = client.register_script(_REBUILD_PAID)
 
     # -- counting --------------------------------------------------------------------------
     def count(self, record: ResponseRecord, now: float | None = None) -> bool:
         """Add a stored record to the totals (and free its reservation); False if already counted.
 
         A conversation's turns go to the spend of the backend that paid each, except those
-        :meth:`prepay` added when they were paid (their marks are consumed): each paid turn is in
-        the spend once, whether its conversation is stored or not.
+        :meth:`prepay` added when they were paid; the tokens its marks hold leave ``paid_tokens``,
+        now in the totals (the marks are consumed, also when the key was counted before): each paid
+        turn is in the spend once and in the budget once, whether its conversation is stored or not.
         """
         bucket = int((now or time.time()) // RATE_BUCKET_S)
         turns = getattr(record, "turns", None) or []
-        conversation = [rk.prepaid(record.dataset, record.key), *(rk.spend(t.backend) for t in turns)] if turns else []
+        conversation = [rk.prepaid(record.dataset, record.key), rk.paid_keys(record.dataset),
+                        *(rk.spend(t.backend) for t in turns)] if turns else []
         added = self._count(
             keys=[rk.counted_set(record.dataset), rk.totals(record.dataset, record.backend), rk.spend(record.backend),
                   rk.dataset_totals(record.dataset), rk.reservations(record.dataset),
@@ -282,22 +345,34 @@ class Ledger:
         )
         return bool(added)
 
-    def prepay(self, dataset: str, key: str, turn: int, backend: str, cost_usd: float) -> None:
-        """Add a conversation's turn to ``backend``'s spend as soon as it is paid, and mark it so that
-        counting the stored record does not add it again.
+    def prepay(self, dataset: str, key: str, turn: int, backend: str, cost_usd: float, tokens: int,
+               *, paid_now: bool = True) -> bool:
+        """Count a conversation's turn as soon as it is paid: its cost in ``backend``'s spend, its
+        ``tokens`` against the dataset's budget (``paid_tokens``), and a mark so that counting the
+        stored record moves the tokens to the totals and does not add the cost again. Whether the
+        turn was newly marked.
 
-        The turns of a conversation that fails at a later turn, is skipped or waits for a retry were
-        paid all the same: the spend cap must see them now, not only once (if ever) the record is
-        stored. Spend and mark change together (one transaction); a turn paid twice (its worker
-        died before keeping it) is in the spend twice, as it was paid twice.
+        The turns of a conversation handed back between turns, paused, failed at a later turn or
+        stopped by the budget were paid all the same: the spend cap and budget admission must see
+        them now, not only once (if ever) the record is stored. The tokens count once per (key,
+        turn); the cost counts every time it was paid (``paid_now``: a worker that paid it), else
+        (the reconciler, from a kept turn whose mark Redis lost) only with a new mark.
         """
-        if not micro_usd(cost_usd):
-            return
-        with self.r.pipeline(transaction=True) as pipe:
-            pipe.hincrby(rk.spend(backend), "cost_micro_usd", micro_usd(cost_usd))
-            pipe.hset(rk.prepaid(dataset, key), str(turn), 1)
-            pipe.expire(rk.prepaid(dataset, key), rk.PREPAID_TTL_S)
-            pipe.execute()
+        return bool(self._prepay(
+            keys=[rk.spend(backend), rk.prepaid(dataset, key), rk.dataset_totals(dataset), rk.paid_keys(dataset),
+                  rk.counted_set(dataset)],
+            args=[turn, micro_usd(cost_usd), tokens, key, int(paid_now)],
+        ))
+
+    def rebuild_paid(self, dataset: str) -> int:
+        """Set ``paid_tokens`` to the sum of the marks of conversations not counted (dropping the
+        marks of counted ones); the correction made."""
+        return int(self._rebuild_paid(keys=[rk.paid_keys(dataset), rk.counted_set(dataset), rk.dataset_totals(dataset)],
+                                      args=[rk.prepaid(dataset, "")]))
+
+    def paid_marks(self, dataset: str, key: str) -> set[int]:
+        """The turns of a conversation marked as paid."""
+        return {int(t) for t in self.r.hkeys(rk.prepaid(dataset, key))}
 
     def charge(self, backend: str, cost_usd: float) -> None:
         """Add a generation no stored record carries (a twin stored the key first, or an answer
@@ -365,8 +440,9 @@ class Ledger:
         self.r.delete(rk.closed(dataset), rk.closing(dataset))
 
     def purge_closed(self, dataset: str) -> int | None:
-        """Drop the queued tasks of a closed dataset: how many; None if it is open again."""
-        n = int(self._purge(keys=[rk.closed(dataset), rk.queue(dataset)]))
+        """Drop the queued tasks of a closed dataset, but for conversations with paid turns (each
+        comes once more, to end as a record of them): how many; None if it is open again."""
+        n = int(self._purge(keys=[rk.closed(dataset), rk.queue(dataset), rk.paid_keys(dataset)]))
         return None if n < 0 else n
 
     # -- reading ---------------------------------------------------------------------------

@@ -4,7 +4,10 @@ A pass, per dataset: (1) every stored key missing from the counted set is counte
 ledger's idempotent script (a worker died between storing and counting, or Redis lost its data);
 (2) the counted set and the counters are read in one transaction and compared with the sums of
 those same keys' records; any difference is drift, reported and corrected with increments (safe
-while workers keep counting); (3) reservations left by dead workers (no claim) are dropped.
+while workers keep counting); (3) the paid turns of conversations not stored yet: every turn kept
+in ``_progress/`` is marked as paid (a mark Redis lost is made again, its cost and tokens counted),
+and ``paid_tokens`` is set to the sum of the marks of keys not counted; (4) reservations left by
+dead workers (no claim, or another copy's) are dropped.
 Records are write-once, so each is read once and its figures cached for later passes. A record
 file that cannot be read (empty, corrupt, a dangling link) is no result: it is set aside, so the
 next ``enqueue`` sends its prompt again.
@@ -61,6 +64,8 @@ class Drift(msgspec.Struct, kw_only=True):
     stale_reservations: int
     unreadable: list[str]
     set_aside: list[str] = []
+    paid_turns_marked: int = 0  # kept turns of conversations not stored whose paid mark was made again
+    paid_tokens_corrected: int = 0
 
 
 class Reconciler:
@@ -182,12 +187,29 @@ class Reconciler:
                 pipe.hincrby(rk.dataset_totals(dataset), f, d)
         pipe.execute()
 
+        remarked, paid = self._paid_turns(dataset)
         stale = self.ledger.drop_dead(dataset)
         return Drift(
             dataset=dataset, stored=len(keys), counted=len(counted), newly_counted=newly,
             corrections=corrections, counted_not_stored=len(counted - keys), stale_reservations=stale,
-            unreadable=unreadable, set_aside=aside,
+            unreadable=unreadable, set_aside=aside, paid_turns_marked=remarked, paid_tokens_corrected=paid,
         )
+
+    def _paid_turns(self, dataset: str) -> tuple[int, int]:
+        """Mark every kept turn of a conversation not stored (a worker marks a turn before it keeps
+        it, so an unmarked kept turn is one whose mark Redis lost), then rebuild ``paid_tokens``:
+        (turns marked again, the correction made)."""
+        remarked = 0
+        for key in sorted(self.store.progress_keys(dataset)):
+            kept = self.store.progress(dataset, key)
+            if kept is None or self.store.has(dataset, key):
+                continue
+            marked = self.ledger.paid_marks(dataset, key)
+            for i, turn in enumerate(kept.turns):
+                if i not in marked:
+                    remarked += self.ledger.prepay(dataset, key, i, turn.backend, turn.cost_usd, turn.completion_tokens,
+                                                   paid_now=False)
+        return remarked, self.ledger.rebuild_paid(dataset)
 
     def reconcile_all(self, datasets: list[str] | None = None) -> list[Drift]:
         return [self.reconcile(d) for d in (datasets or self.store.datasets())]

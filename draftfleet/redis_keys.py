@@ -52,7 +52,8 @@ def totals_pattern(dataset: str = "*") -> str:
 
 
 def dataset_totals(dataset: str) -> str:
-    """Hash of a dataset's counters over all backends: what budget admission reads."""
+    """Hash of a dataset's counters over all backends: what budget admission reads (its
+    ``paid_tokens``: turns of conversations paid and not yet counted as a record)."""
     return f"{PREFIX}dataset:{dataset}"
 
 
@@ -104,14 +105,16 @@ def spend(backend: str) -> str:
 
 
 def prepaid(dataset: str, key: str) -> str:
-    """Hash turn index -> 1 of a conversation's turns already added to ``spend`` when they were paid
-    (ledger.py): counting the stored record adds only the turns not marked. Expires (PREPAID_TTL_S)."""
+    """Hash turn index -> completion tokens of a conversation's turns paid before its record is
+    counted (ledger.py): each is in ``spend`` and in its dataset's ``paid_tokens`` (``dataset_totals``)
+    once; counting the record moves them to the totals and adds to the spend only the turns not here."""
     return f"{PREFIX}prepaid:{dataset}:{key}"
 
 
-# A conversation given up for longer than this (failed, never retried) loses its marks: a retry
-# after that would add the turns kept from before to the spend a second time.
-PREPAID_TTL_S = 30 * 86400
+def paid_keys(dataset: str) -> str:
+    """Set of the keys that have a ``prepaid`` hash: conversations with paid turns and no counted
+    record yet. A closed dataset's purge keeps their tasks, so that each ends as a record."""
+    return f"{PREFIX}paid_keys:{dataset}"
 
 
 def events(dataset: str) -> str:

@@ -272,6 +272,11 @@ class Store:
     def clear_progress(self, dataset: str, key: str) -> None:
         self.progress_path(dataset, key).unlink(missing_ok=True)
 
+    def progress_keys(self, dataset: str) -> set[str]:
+        """The keys of the conversations with completed turns kept (file names only)."""
+        base = self.root / "_progress" / check_name(dataset)
+        return {p.name[:-5] for p in base.glob("[!.]*.json")} if base.is_dir() else set()
+
     # -- quarantine ----------------------------------------------------------------------
     def quarantine_path(self, dataset: str) -> Path:
         return self.root / "_quarantine" / f"{check_name(dataset)}.jsonl"

@@ -115,3 +115,51 @@ def test_a_conversation_a_twin_stored_first_is_not_charged_again(conversation_wo
     assert rec.worker == "twin@test"
     assert _spend(rt) == sum(micro_usd(t.cost_usd) for t in rec.turns) > 0
     assert rt.ledger.totals("ds")["cloudy"]["responses"] == 1
+
+
+def test_a_handed_back_conversations_paid_turn_counts_against_the_budget_and_survives_a_flush(
+        conversation_worker, monkeypatch):  # noqa: F811
+    """Handed back after turn 1 (the visibility timeout): turn 1's tokens are in the dataset's
+    ``paid_tokens``, which admission adds to what is committed. Redis then loses everything: the
+    reconciler counts the kept turn again (tokens and cost) from ``_progress/``. The conversation's
+    record, once stored and counted, moves them into the totals: nothing counted twice."""
+    tasks, rt, task, run, emu = conversation_worker
+    longest = rt.cfg.longest_task_s()
+    visibility = math.ceil(longest) + 1
+    real = rt.backend.generate
+
+    def slow(t):
+        time.sleep(visibility - longest + 0.1)
+        return real(t)
+
+    monkeypatch.setattr(rt.backend, "generate", slow)
+    rt.cfg = msgspec.structs.replace(rt.cfg, fleet=msgspec.structs.replace(rt.cfg.fleet, visibility_timeout_s=visibility))
+    with pytest.raises(Reject):
+        run(task)
+    [turn1] = rt.store.progress("ds", task.key).turns
+    assert rt.ledger.dataset_totals("ds")["paid_tokens"] == turn1.completion_tokens > 0
+    assert r_members(rt, rk.paid_keys("ds")) == {task.key}
+
+    rt.r.flushall()
+    drift = Reconciler(rt.store, rt.r).reconcile("ds")
+    assert (drift.paid_turns_marked, drift.paid_tokens_corrected) == (1, 0)  # marked again, so counted
+    assert rt.ledger.dataset_totals("ds")["paid_tokens"] == turn1.completion_tokens
+    assert _spend(rt) == micro_usd(turn1.cost_usd)
+    assert Reconciler(rt.store, rt.r).reconcile("ds").paid_tokens_corrected == 0  # a second pass: nothing
+    rt.r.hincrby(rk.dataset_totals("ds"), "paid_tokens", 999)  # drift: corrected from the marks
+    assert Reconciler(rt.store, rt.r).reconcile("ds").paid_tokens_corrected == -999
+    assert rt.ledger.dataset_totals("ds")["paid_tokens"] == turn1.completion_tokens
+
+    rt.cfg = msgspec.structs.replace(rt.cfg, fleet=msgspec.structs.replace(rt.cfg.fleet, visibility_timeout_s=3600))
+    assert run(task) == "stored"
+    rec = rt.store.get("ds", task.key)
+    totals = rt.ledger.dataset_totals("ds")
+    assert totals["completion_tokens"] == rec.completion_tokens and totals["paid_tokens"] == 0
+    assert _spend(rt) == sum(micro_usd(t.cost_usd) for t in rec.turns)
+    assert not rt.r.exists(rk.paid_keys("ds"), rk.prepaid("ds", task.key))
+    drift = Reconciler(rt.store, rt.r).reconcile("ds")
+    assert (drift.corrections, drift.paid_turns_marked, drift.paid_tokens_corrected) == ({}, 0, 0)
+
+
+def r_members(rt, key: str) -> set[str]:
+    return {m.decode() for m in rt.r.smembers(key)}

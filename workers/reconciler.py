@@ -46,6 +46,9 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
             if drift.set_aside:
                 log.warning("%s: %d record files could not be read and were set aside (%s ...): `draftfleet "
                             "enqueue` generates them again", drift.dataset, len(drift.set_aside), drift.set_aside[0])
+            if drift.paid_turns_marked or drift.paid_tokens_corrected:
+                log.warning("%s: %d kept turns of unstored conversations counted as paid again; paid tokens "
+                            "corrected by %+d", drift.dataset, drift.paid_turns_marked, drift.paid_tokens_corrected)
             if drift.stale_reservations:
                 log.info("%s: dropped %d reservations of dead workers", drift.dataset, drift.stale_reservations)
 

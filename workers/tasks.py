@@ -450,7 +450,8 @@ def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: f
 
     Each completed turn is kept in the store before the next is asked, so a worker's death, a
     pause or a retry resumes at the next turn and never pays for a completed one twice; its cost
-    goes to the spend as soon as it is paid (``Ledger.prepay``), also if a later turn fails. A turn
+    goes to the spend and its tokens against the budget as soon as it is paid (``Ledger.prepay``),
+    also if a later turn fails or the conversation is handed back. A turn
     cut at ``max_tokens`` ends the conversation: later turns would build on a cut answer. A
     conversation that has started finishes on the worker that holds it, also after a pivot or
     drain (or goes back to its queue whole, its completed turns kept, when the worker pauses or stops).
@@ -480,9 +481,9 @@ def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: f
         if gen is None:
             return None
         try:
-            rt.ledger.prepay(task.dataset, task.key, len(done), rt.backend.name, gen.cost_usd)
-        except redis.RedisError as exc:  # left unmarked, the turn is added when its record is counted
-            log.warning("%s %s: turn %d not added to the spend yet: %s", task.dataset, task.source, len(done) + 1, exc)
+            rt.ledger.prepay(task.dataset, task.key, len(done), rt.backend.name, gen.cost_usd, len(gen.output_ids))
+        except redis.RedisError as exc:  # left unmarked, the turn counts when its record is (or the reconciler marks it)
+            log.warning("%s %s: turn %d not counted as paid yet: %s", task.dataset, task.source, len(done) + 1, exc)
         done.append(_turn(rt, gen, attempts, latency, reasons))
         if len(done) < len(parts) and not gen.truncated:
             rt.store.put_progress(TurnProgress(key=task.key, dataset=task.dataset, turns=done))
@@ -516,8 +517,14 @@ def execute(task_self, payload: object) -> str:
             return done
         turns, done = len(runs(task.messages)), _progress(rt, task)
         if not _admit(rt, task, token, turns - len(done), turns):
-            return "skipped"
-        if task.settings.turns == "all":
+            if not done:
+                return "skipped"
+            # the budget stops a conversation some turns of which are paid: it ends as a record of them
+            record = conversation_record(task, done, rt.hostname, finish_reason="budget")
+            rt.ledger.event(task.dataset, "stopped:budget")
+            log.warning("%s %s: the budget stops the conversation after %d of %d turns: stored as it is",
+                        task.dataset, task.source, len(done), turns)
+        elif task.settings.turns == "all":
             record = _conversation(rt, task, done, held_since)
             if record is None:
                 return "failed"

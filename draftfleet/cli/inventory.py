@@ -85,6 +85,8 @@ def cmd_reconcile(args) -> int:
         table.add_column(col, justify="left" if col in ("dataset", "corrections") else "right")
     for d in drifts:
         fixes = "; ".join(f"{b}: " + ", ".join(f"{k} {v:+d}" for k, v in c.items()) for b, c in d.corrections.items())
+        if d.paid_tokens_corrected:
+            fixes = "; ".join(x for x in (fixes, f"paid turns: paid_tokens {d.paid_tokens_corrected:+d}") if x)
         table.add_row(d.dataset, str(d.stored), str(d.counted), str(d.newly_counted), fixes or "none",
                       str(d.counted_not_stored), str(len(d.unreadable)))
     out.print(table)
