@@ -28,10 +28,12 @@ from draftfleet.queues import waiting_ids
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import CaptureManifest, CaptureTask
 from draftfleet.store import Store
+from draftfleet.versions import Selection, select
 
 
 class CaptureSummary(msgspec.Struct, kw_only=True):
     dataset: str
+    dataset_version: int | None  # the version whose records are captured (None: every version)
     version: int
     layer_ids: list[int]
     dtype: str  # the version's: bfloat16 or float8_e4m3fn
@@ -71,8 +73,11 @@ def start_version(hidden: HiddenStore, wanted: CaptureManifest) -> CaptureManife
 
 
 def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, dataset: str, *,
-                  new_version: bool = False, ignore_space: bool = False) -> CaptureSummary:
-    """Queue the dataset's record turns that lack hidden states; refuse when they will not fit."""
+                  new_version: bool = False, ignore_space: bool = False,
+                  records: Selection | None = None) -> CaptureSummary:
+    """Queue the record turns that lack hidden states, of the dataset's current version unless
+    ``records`` chooses (``versions.select``); refuse when they will not fit."""
+    records = records or select(store, dataset)
     model, layer_ids = capture_settings(cfg)
     hidden = HiddenStore(store)
     wanted = CaptureManifest(dataset=dataset, version=0, model=cfg.fleet.model, model_config_sha256=model.config_sha256,
@@ -80,9 +85,12 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
                              dtype=DTYPES[cfg.capture.dtype], created_at=time.time())
     existing = existing_version(hidden, wanted, new_version)
     pending: list[tuple[CaptureTask, int]] = []
-    units = done = unit_tokens = completion_tokens = 0
+    units = done = unit_tokens = completion_tokens = spent = 0
     version = existing.version if existing is not None else None
     for rec in store.records(dataset):
+        spent += rec.completion_tokens or len(rec.output_ids)  # the budget counts every version's records
+        if not records.takes(rec):
+            continue
         completion_tokens += rec.completion_tokens or len(rec.output_ids)
         for turn, t in enumerate(record_turns(rec)):
             if not t.output_ids:
@@ -99,7 +107,7 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
            else float(bytes_per_token(wanted)))
     need = round(tokens * bpt)
     budget = cfg.dataset(dataset).budget_tokens if any(d.name == dataset for d in cfg.datasets) else None
-    left = max(0, budget - completion_tokens) if budget else None
+    left = max(0, budget - spent) if budget else None
     projected = projected_bytes(bpt, tokens, left, unit_tokens, completion_tokens)
     free = shutil.disk_usage(store.root).free
     if need > free and not ignore_space:
@@ -125,6 +133,6 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
         # for status' projection: bytes per token (x10), tokens to capture and captured since, tokens per answer token
         "bytes_per_token_x10": round(bpt * 10), "tokens": tokens, "captured_tokens": 0, "unit_tokens": unit_tokens,
         "completion_tokens": completion_tokens})
-    return CaptureSummary(dataset=dataset, version=m.version, layer_ids=m.layer_ids, dtype=m.dtype, units=units, done=done,
-                          queued=queued, already_queued=already, tokens_to_capture=tokens, bytes_estimate=need,
+    return CaptureSummary(dataset=dataset, dataset_version=records.version, version=m.version, layer_ids=m.layer_ids,
+                          dtype=m.dtype, units=units, done=done, queued=queued, already_queued=already, tokens_to_capture=tokens, bytes_estimate=need,
                           free_bytes=free, bytes_per_token=bpt, budget_tokens_left=left, projected_bytes=projected)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from draftfleet.cli.common import add_common, config, each_dataset, out, sender
+from draftfleet.cli.common import add_common, add_version, config, each_dataset, out, sender
 
 
 def cmd_capture(args) -> int:
@@ -10,17 +10,20 @@ def cmd_capture(args) -> int:
 
     from draftfleet.hidden import CaptureError
     from draftfleet.producer.capture import queue_capture
+    from draftfleet.versions import VersionError, select
 
     cfg = config(args)
     app, r, store = sender(args, cfg)
     summaries, status = each_dataset(
-        args.dataset or [d.name for d in cfg.datasets], CaptureError,
-        lambda name: queue_capture(cfg, store, app, r, name, new_version=args.new_version, ignore_space=args.ignore_space))
+        args.dataset or [d.name for d in cfg.datasets], (CaptureError, VersionError),
+        lambda name: queue_capture(cfg, store, app, r, name, new_version=args.new_version, ignore_space=args.ignore_space,
+                                   records=select(store, name, args.version, args.all_versions)))
     if args.json:
         print(msgspec.json.encode(summaries).decode())
         return status
     for c in summaries:
-        out.print(f"{c.dataset} capture v{c.version} (layers {c.layer_ids}, {c.dtype}): {c.units:,} record turns, {c.done:,} "
+        of = f"version {c.dataset_version}" if c.dataset_version is not None else "every version"
+        out.print(f"{c.dataset} ({of}) capture v{c.version} (layers {c.layer_ids}, {c.dtype}): {c.units:,} record turns, {c.done:,} "
                   f"captured, {c.queued:,} queued ({c.already_queued:,} already queued); {c.tokens_to_capture:,} "
                   f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB ({c.bytes_per_token:,.0f} B/token) of "
                   f"{c.free_bytes / 1e9:,.1f} GB free", highlight=False)
@@ -37,6 +40,7 @@ def register(sub) -> None:
     sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
     sp.add_argument("--new-version", action="store_true",
                     help="start a new capture version when the model, layers or dtype differ from the stored capture's")
+    add_version(sp)
     sp.add_argument("--ignore-space", action="store_true",
                     help="queue even when the estimated size exceeds the store's free space")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -40,7 +40,16 @@ def sender(args, cfg):
     url = resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store)
     return make_app(url, cfg.fleet.visibility_timeout_s), connect(url), Store(cfg.fleet.store)
 
-def each_dataset(names: list[str], errors: type[Exception], run) -> tuple[list, int]:
+def add_version(sp) -> None:
+    """``--version N`` / ``--all-versions``: which of a dataset's versions (``enqueue --new-version``)
+    a reader of its records takes; by default the current one (``draftfleet/versions.py``)."""
+    group = sp.add_mutually_exclusive_group()
+    group.add_argument("--version", type=int, help="the records of this dataset version (default the current one)")
+    group.add_argument("--all-versions", action="store_true",
+                       help="the records of every version (files then mix the versions' settings)")
+
+
+def each_dataset(names: list[str], errors: type[Exception] | tuple[type[Exception], ...], run) -> tuple[list, int]:
     """``run(name)`` of each dataset: the results, and exit status 1 if one of them raised
     ``errors`` (printed in one line; the other datasets go on)."""
     results, status = [], 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.markup import escape
 
-from draftfleet.cli.common import add_common, config, config_or_store, err, optional_tokenizer, out, redis_client
+from draftfleet.cli.common import add_common, add_version, config, config_or_store, err, optional_tokenizer, out, redis_client
 
 
 def cmd_import(args) -> int:
@@ -70,7 +70,8 @@ def cmd_export(args) -> int:
     try:
         manifests = [export_dataset(store, name, args.out, text_formats, exclude_truncated=args.exclude_truncated,
                                     exclude_invalid=args.exclude_invalid, include_truncated=args.include_truncated,
-                                    tokenizer=tok) for name in names] if text_formats else []
+                                    tokenizer=tok, version=args.version, all_versions=args.all_versions)
+                     for name in names] if text_formats else []
         if hidden_formats:
             from draftfleet.hidden import CaptureError, HiddenStore, capture_settings
 
@@ -81,7 +82,8 @@ def cmd_export(args) -> int:
             captured = names if args.dataset else [n for n in names if HiddenStore(store).versions(n)]
             found = [features.export_features(store, name, args.out, hidden_formats, model_path=model_path,
                                               version=args.capture_version, torch_python=args.torch_python,
-                                              draft_vocab_size=args.draft_vocab_size)
+                                              draft_vocab_size=args.draft_vocab_size, records_version=args.version,
+                                              all_versions=args.all_versions)
                      for name in captured]
             if args.json:
                 print(msgspec.json.encode(found).decode())
@@ -100,9 +102,12 @@ def cmd_export(args) -> int:
             print(msgspec.json.encode(manifests).decode())
         return 0
     for m in manifests:
-        out.print(f"exported {m.records:,} records of {m.dataset} to {args.out}: "
+        of = f"version {m.version}" if m.version is not None else "every version"
+        out.print(f"exported {m.records:,} records of {m.dataset} ({of}) to {args.out}: "
                   + ", ".join(m.files) + f" (excluded: {m.excluded_truncated} truncated, "
-                  f"{m.excluded_invalid} invalid; {m.truncated_left_out} cut turns left out of sharegpt)", highlight=False)
+                  f"{m.excluded_invalid} invalid; {m.truncated_left_out} cut turns left out of sharegpt"
+                  + (f"; {m.other_versions:,} records of other versions left out" if m.other_versions else "") + ")",
+                  highlight=False)
         for note in m.notes:
             out.print(f"  note: {note}", highlight=False)
     return 0
@@ -129,6 +134,7 @@ def register(sub) -> None:
                     required=True, help="sharegpt: SpecForge conversations; raw: raw_responses with ids; tokens: "
                     "input_ids + loss_mask rows; speculators / specforge: captured hidden states in each trainer's "
                     "offline layout (repeatable)")
+    add_version(sp)
     sp.add_argument("--capture-version", type=int, help="speculators/specforge: the capture version (default the latest)")
     sp.add_argument("--torch-python", help="speculators/specforge: an interpreter with torch and safetensors to "
                     "write their torch.save files (default this one, when it has torch)")

@@ -5,14 +5,16 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from draftfleet.cli.common import add_common, config_or_store, dataset_names, optional_tokenizer, out, redis_client
+from draftfleet.cli.common import (add_common, add_version, config_or_store, dataset_names, err, optional_tokenizer, out,
+                                   redis_client)
 
 
 def print_inventory(invs) -> None:
     from draftfleet.views.inventory import ROUNDTRIP_MEANING
 
     for inv in invs:
-        table = Table(title=f"inventory: {inv.dataset}", title_justify="left")
+        of = f"version {inv.version}" if inv.version is not None else "every version"
+        table = Table(title=f"inventory: {inv.dataset} ({of})", title_justify="left")
         for col in ("backend", "kind", "token source", "responses", "completion tokens", "provider's count",
                     "difference", "cost (USD)"):
             table.add_column(col, justify="left" if col in ("backend", "kind", "token source") else "right")
@@ -34,6 +36,8 @@ def print_inventory(invs) -> None:
             line += f"; {inv.prompts_left:,} prompts left"
         for name, usd in inv.cost_to_finish_usd.items():
             line += f"; to finish on {name}: ~${usd:,.2f}"
+        if inv.other_versions:
+            line += f"; {inv.other_versions:,} records of other versions not counted (--version, --all-versions)"
         out.print(line, highlight=False)
         v = inv.validation
         checks = [f"schema errors {v.schema_errors}", f"truncated {v.truncated}", f"duplicate prompts {v.duplicate_prompts}"]
@@ -56,10 +60,16 @@ def print_inventory(invs) -> None:
 def cmd_inventory(args) -> int:
     import msgspec
 
+    from draftfleet.versions import VersionError
     from draftfleet.views.inventory import run_inventory
 
     cfg, root = config_or_store(args)
-    invs = run_inventory(root, cfg, args.dataset, optional_tokenizer(args, cfg), args.roundtrip_sample)
+    try:
+        invs = run_inventory(root, cfg, args.dataset, optional_tokenizer(args, cfg), args.roundtrip_sample,
+                             version=args.version, all_versions=args.all_versions)
+    except VersionError as exc:
+        err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+        return 1
     if args.json:
         print(msgspec.json.encode(invs).decode())
     else:
@@ -102,6 +112,7 @@ def register(sub) -> None:
     add_common(sp)
     sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
     sp.add_argument("--tokenizer", help="tokenizer folder for the validation (default [fleet].tokenizer)")
+    add_version(sp)
     sp.add_argument("--roundtrip-sample", type=int, default=200,
                     help="exact records checked decode->encode (at most 100k tokens of them; 0: skip)")
     sp.add_argument("--json", action="store_true", help="print the inventory as JSON")

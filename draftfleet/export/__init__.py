@@ -5,7 +5,9 @@ and provenance; ``tokens``: speculators' input_ids + loss_mask rows, one per tur
 one entry, which reads the store, orders and filters the records and writes the manifest.
 Order: by source file, then line or row number, then key, so two exports of one store are equal.
 Every file is named after its dataset (``<dataset>.<format>.jsonl``, ``<dataset>.manifest.json``),
-so several datasets exported into one folder overwrite nothing of each other.
+so several datasets exported into one folder overwrite nothing of each other. An export takes
+one version of the dataset (``versions.py``: the current by default), and its manifest names it
+with its settings, so a file never mixes the records of two settings.
 
 The manifest tells a trainer what the files hold and how to read them: how many conversations
 were generated without a system turn (SpecForge inserts its template's default unless the
@@ -24,9 +26,10 @@ import msgspec
 
 from draftfleet.conversation import record_turns
 from draftfleet.export import raw, sharegpt, tokens
-from draftfleet.schemas.records import ResponseRecord
+from draftfleet.schemas.records import GenerationSettings, ResponseRecord
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
+from draftfleet.versions import Selection, VersionError, select
 
 FORMATS = ("sharegpt", "raw", "tokens")
 FILE_NAMES = {"sharegpt": "{}.sharegpt.jsonl", "raw": "{}.raw_responses.jsonl", "tokens": "{}.tokens.jsonl"}
@@ -47,11 +50,14 @@ _SOURCE = re.compile(r"^(.*):(?:row)?(\d+)$")
 
 class ExportManifest(msgspec.Struct, kw_only=True):
     dataset: str
+    version: int | None  # the dataset version exported; None: every version (--all-versions)
+    settings: GenerationSettings | None  # that version's generation settings
     formats: list[str]
     records: int
     excluded_truncated: int  # records left out of every file (--exclude-truncated)
     excluded_invalid: int
     unreadable: int
+    other_versions: int  # records of the dataset's other versions, left out
     tokens_by_source: dict[str, int]
     responses_by_source: dict[str, int]
     files: dict[str, str]  # name -> sha256
@@ -113,22 +119,37 @@ def _notes(kept: list[ResponseRecord], without_system: int, reasoning: str | Non
     return notes
 
 
+def _selection(store: Store, dataset: str, version: int | None, all_versions: bool) -> Selection:
+    try:
+        return select(store, dataset, version, all_versions)
+    except VersionError as exc:
+        raise ExportError(str(exc)) from None
+
+
 def export_dataset(store: Store, dataset: str, out_dir: str | Path, formats: list[str], *,
                    exclude_truncated: bool = False, exclude_invalid: bool = False, include_truncated: bool = False,
-                   tokenizer: TargetTokenizer | None = None) -> ExportManifest:
-    """Write the dataset's files and manifest. Cut turns stay in ``raw`` and ``tokens`` (without an
+                   tokenizer: TargetTokenizer | None = None, version: int | None = None,
+                   all_versions: bool = False) -> ExportManifest:
+    """Write the files and manifest of the dataset's current version (``version``: another one;
+    ``all_versions``: every record). Cut turns stay in ``raw`` and ``tokens`` (without an
     end-of-turn id) and are left out of ``sharegpt`` unless ``include_truncated``."""
     unknown = set(formats) - set(FORMATS)
     if unknown:
         raise ExportError(f"unknown format(s) {sorted(unknown)}: choose from {', '.join(FORMATS)}")
     if "tokens" in formats and tokenizer is None:
         raise ExportError("the tokens format needs the target tokenizer ([fleet].tokenizer or --tokenizer)")
-    records, unreadable = [], 0
+    chosen = _selection(store, dataset, version, all_versions)
+    records, unreadable, others = [], 0, 0
     for path in store.record_paths(dataset):
         try:
-            records.append(_decode(path.read_bytes()))
+            rec = _decode(path.read_bytes())
         except (OSError, msgspec.DecodeError):
             unreadable += 1
+            continue
+        if chosen.takes(rec):
+            records.append(rec)
+        else:
+            others += 1
     records.sort(key=_order)
     kept, trunc, invalid = [], 0, 0
     for rec in records:
@@ -171,8 +192,9 @@ def export_dataset(store: Store, dataset: str, out_dir: str | Path, formats: lis
     without_system = sum(not any(m.role == "system" for m in rec.messages) for rec in kept)
     reasoning = tokenizer.reasoning_in_conversations() if tokenizer is not None else None
     manifest = ExportManifest(
-        dataset=dataset, formats=list(formats), records=len(kept), excluded_truncated=trunc,
-        excluded_invalid=invalid, unreadable=unreadable, tokens_by_source=by_tokens,
+        dataset=dataset, version=chosen.version, settings=chosen.settings, formats=list(formats), records=len(kept),
+        excluded_truncated=trunc, excluded_invalid=invalid, unreadable=unreadable, other_versions=others,
+        tokens_by_source=by_tokens,
         responses_by_source=by_count, files=files, turns=sum(len(record_turns(r)) for r in kept),
         truncated_left_out=left_out, without_system_turn=without_system, reasoning_in_template=reasoning,
         notes=_notes(kept, without_system, reasoning),

@@ -28,16 +28,20 @@ from pathlib import Path
 import msgspec
 
 from draftfleet.conversation import record_turns
-from draftfleet.export import ExportError, _order
+from draftfleet.export import ExportError, _order, _selection
 from draftfleet.export import specforge, speculators, torch_files
 from draftfleet.hidden import HiddenStore, TargetModel, encode_safetensors, read_safetensors
+from draftfleet.schemas.records import GenerationSettings
 from draftfleet.store import Store
+from draftfleet.versions import Selection
 
 FORMATS = ("speculators", "specforge")
 
 
 class FeaturesManifest(msgspec.Struct, kw_only=True):
     dataset: str
+    dataset_version: int | None  # the records' version (None: every version)
+    settings: GenerationSettings | None  # that version's generation settings
     capture_version: int
     layer_ids: list[int]
     model: str
@@ -54,11 +58,13 @@ class FeaturesManifest(msgspec.Struct, kw_only=True):
 DRAFT_VOCAB_SIZE = 32000  # the trainers' usual reduced draft vocabulary
 
 
-def _rows(store: Store, dataset: str, version: int) -> tuple[list[tuple[str, list[int], list[int], str, int]], int]:
-    """(id, ids, loss mask, file, prompt length) per captured turn, in export order; and how many lack a file."""
+def _rows(store: Store, dataset: str, version: int,
+          chosen: Selection) -> tuple[list[tuple[str, list[int], list[int], str, int]], int]:
+    """(id, ids, loss mask, file, prompt length) per captured turn of the chosen records, in export
+    order; and how many lack a file."""
     hidden = HiddenStore(store)
     rows, missing = [], 0
-    for rec in sorted(store.records(dataset), key=_order):
+    for rec in sorted(filter(chosen.takes, store.records(dataset)), key=_order):
         for turn, t in enumerate(record_turns(rec)):
             if not t.output_ids:
                 continue
@@ -88,15 +94,19 @@ def _torch_here() -> bool:
 
 def export_features(store: Store, dataset: str, out_dir: str | Path, formats: list[str], *,
                     model_path: str | None, version: int | None = None, torch_python: str | None = None,
-                    draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> FeaturesManifest:
-    """Write the dataset's hidden-state exports; ``model_path`` (the target's folder) gives SpecForge's norm
-    and the target's vocabulary size."""
+                    draft_vocab_size: int = DRAFT_VOCAB_SIZE, records_version: int | None = None,
+                    all_versions: bool = False) -> FeaturesManifest:
+    """Write the hidden-state exports of the dataset's current version's records (``records_version``:
+    another version's; ``all_versions``: every record) from capture version ``version`` (default
+    the latest); ``model_path`` (the target's folder) gives SpecForge's norm and the target's
+    vocabulary size."""
+    chosen = _selection(store, dataset, records_version, all_versions)
     hidden = HiddenStore(store)
     m = hidden.manifest(dataset, version)
     if m is None:
         raise ExportError(f"{dataset}: no captured hidden states" + (f" in version {version}" if version else "")
                           + ": run draftfleet capture and a capture worker first")
-    rows, missing = _rows(store, dataset, m.version)
+    rows, missing = _rows(store, dataset, m.version, chosen)
     counts = sorted(token_counts(rows).items())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +148,8 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
                 for i, r in enumerate(rows)]}
         if plan:
             _run_torch(plan, torch_python)
-    return FeaturesManifest(dataset=dataset, capture_version=m.version, layer_ids=m.layer_ids, model=m.model,
+    return FeaturesManifest(dataset=dataset, dataset_version=chosen.version, settings=chosen.settings,
+                            capture_version=m.version, layer_ids=m.layer_ids, model=m.model,
                             dtype=m.dtype, rows=len(rows), tokens=sum(len(r[1]) for r in rows), missing=missing,
                             folders=folders, draft_vocab_size=draft, trained_tokens=sum(n for _, n in counts),
                             notes=notes)

@@ -29,6 +29,7 @@ from draftfleet.schemas.config import DatasetConfig, FleetConfig
 from draftfleet.schemas.records import GenerationSettings, ResponseRecord
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
+from draftfleet.versions import Selection, select
 
 _decode = msgspec.json.Decoder(ResponseRecord).decode
 _msg_encoder = msgspec.json.Encoder()
@@ -84,6 +85,9 @@ class HiddenInventory(msgspec.Struct, kw_only=True):
 
 class DatasetInventory(msgspec.Struct, kw_only=True):
     dataset: str
+    version: int | None = None  # the dataset version counted (None: every version, or no manifest)
+    settings: GenerationSettings | None = None  # that version's generation settings
+    other_versions: int = 0  # records of the dataset's other versions, not counted here (the budget figures do)
     responses: int
     conversations: int  # responses that are multi-turn conversations (``turns = "all"``)
     turns: int  # regenerated answers in all responses
@@ -134,12 +138,15 @@ class _Partial(msgspec.Struct):
     out_of_vocab: int = 0
     stop_without_eot: int = 0
     schema_errors: int = 0
+    other_versions: int = 0
+    other_tokens: int = 0  # theirs: the budget counts every version's records
     unreadable: list[str] = []
     sample: list[list[int]] = []
 
 
 def _scan(paths: list[str], vocab_size: int | None, eot_id: int | None, sample_records: int,
-          sample_tokens: int) -> _Partial:
+          sample_tokens: int, settings_id: str | None = None) -> _Partial:
+    """Count the records at ``paths`` (those of the version ``settings_id`` names, when given)."""
     checked = _vocab_decoder(vocab_size) if vocab_size else None
     part = _Partial(splits={}, prompts={})
     sampled_tokens = 0
@@ -163,6 +170,10 @@ def _scan(paths: list[str], vocab_size: int | None, eot_id: int | None, sample_r
         except msgspec.DecodeError as exc:
             part.schema_errors += 1
             part.unreadable.append(f"{path}: {exc}")
+            continue
+        if settings_id is not None and rec.settings_id != settings_id:
+            part.other_versions += 1
+            part.other_tokens += record_tokens(rec)
             continue
         label = f"{rec.backend}\x00{rec.backend_kind}\x00{rec.token_source}"
         sp = part.splits.get(label)
@@ -204,12 +215,15 @@ def inventory_dataset(
     roundtrip_tokens: int = 100_000,
     processes: int | None = None,
     prompt_keys: set[str] | None = None,
+    records: Selection | None = None,
 ) -> DatasetInventory:
-    """One dataset's inventory. Large stores are read by a process per core, split by file.
+    """One dataset's inventory, of its current version's records unless ``records`` chooses
+    (``versions.select``). Large stores are read by a process per core, split by file.
 
     ``prompt_keys`` (the keys of the dataset file's prompts) bound the cost to finish by the
     prompts left; without them only the budget bounds it.
     """
+    records = records or select(store, dataset)
     paths = store.record_files(dataset)
     vocab = tokenizer.vocab_size if tokenizer else None
     eot = tokenizer.eot_id if tokenizer else None
@@ -219,9 +233,9 @@ def inventory_dataset(
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(n, mp_context=ctx) as pool:
             parts = list(pool.map(_scan, chunks, [vocab] * n, [eot] * n, [roundtrip_sample // n + 1] * n,
-                                  [roundtrip_tokens // n + 1] * n))
+                                  [roundtrip_tokens // n + 1] * n, [records.settings_id] * n))
     else:
-        parts = [_scan(paths, vocab, eot, roundtrip_sample, roundtrip_tokens)]
+        parts = [_scan(paths, vocab, eot, roundtrip_sample, roundtrip_tokens, records.settings_id)]
 
     splits: dict[str, Split] = {}
     prompts: Counter[str] = Counter()
@@ -261,7 +275,8 @@ def inventory_dataset(
     tokens = sum(s.completion_tokens for s in by_source)
     prompt_tokens = sum(s.prompt_tokens for s in by_source)
     mean = tokens / responses if responses else None
-    remaining = max(0, budget - tokens) if budget else None
+    spent = tokens + sum(part.other_tokens for part in parts)  # the budget's: every version's records
+    remaining = max(0, budget - spent) if budget else None
     prompts_left = None
     if prompt_keys is not None:
         stored = {os.path.basename(p)[:-5] for p in paths}
@@ -276,10 +291,12 @@ def inventory_dataset(
             for name, (p_in, p_out) in prices.items():
                 cost[name] = round(left * mean * p_out / 1e6 + left * mean_prompt * p_in / 1e6, 2)
     return DatasetInventory(
-        dataset=dataset, responses=responses, conversations=conversations, turns=sum(s.turns for s in by_source),
+        dataset=dataset, version=records.version, settings=records.settings,
+        other_versions=sum(part.other_versions for part in parts), responses=responses, conversations=conversations,
+        turns=sum(s.turns for s in by_source),
         completion_tokens=tokens, prompt_tokens=prompt_tokens,
         mean_tokens=round(mean, 1) if mean else None, by_source=by_source, budget_tokens=budget,
-        share_done=round(tokens / budget, 4) if budget else None, remaining_tokens=remaining, prompts_left=prompts_left,
+        share_done=round(spent / budget, 4) if budget else None, remaining_tokens=remaining, prompts_left=prompts_left,
         spend_usd=round(sum(s.cost_usd for s in by_source), 4), cost_to_finish_usd=cost, validation=v,
     )
 
@@ -303,23 +320,29 @@ def run_inventory(
     tokenizer: TargetTokenizer | None = None,
     roundtrip_sample: int = 200,
     processes: int | None = None,
+    version: int | None = None,
+    all_versions: bool = False,
 ) -> list[DatasetInventory]:
-    """Inventory of each dataset; budgets and prices from the config, else from the manifests."""
+    """Inventory of each dataset (its current version, or ``version``, or ``all_versions``);
+    budgets and prices from the config, else from the manifests. A version it lacks: VersionError."""
     store = Store(store_root)
     names = datasets or (store.datasets() if cfg is None else [d.name for d in cfg.datasets])
     prices = {n: (c.price_input_per_mtok, c.price_output_per_mtok) for n, c in (cfg.clouds.items() if cfg else [])}
     out = []
     for name in names:
         manifest = store.manifest(name)
+        chosen = select(store, name, version, all_versions)
         keys = None
         if cfg is not None and any(d.name == name for d in cfg.datasets):
             ds = cfg.dataset(name)
             budget = ds.budget_tokens
-            keys = _dataset_keys(ds, manifest.settings if manifest else ds.settings(cfg.fleet.model))
+            if chosen.version is None or manifest is None or chosen.version == manifest.version:
+                keys = _dataset_keys(ds, manifest.settings if manifest else ds.settings(cfg.fleet.model))
         else:
             budget = manifest.budget_tokens if manifest else None
         inv = inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,
-                                roundtrip_sample=roundtrip_sample, processes=processes, prompt_keys=keys)
+                                roundtrip_sample=roundtrip_sample, processes=processes, prompt_keys=keys,
+                                records=chosen)
         out.append(msgspec.structs.replace(inv, hidden_states=_hidden_inventory(store, inv)))
     return out
 
