@@ -21,7 +21,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import msgspec
@@ -123,6 +123,24 @@ class Claims:
             return
         if restored:
             log.warning("gave %d message(s) held by no live worker back to their queues", restored)
+
+    def beat_until(self, stop: threading.Event, beat: Callable[[], None]) -> None:
+        """Call ``beat`` every HEARTBEAT_S until ``stop`` is set, and at once when Redis lost its state
+        (``rk.STATE`` gone: restarted empty, flushed), so that the claims are back within a poll
+        (``STATE_POLL_S``), before an enqueue or a capture into the emptied Redis decides what to send
+        again (``queues.await_lost_claims``); in between, what runs now reaches the report within a
+        poll when it changed. Every worker kind beats through this one loop."""
+        due = time.monotonic() + HEARTBEAT_S
+        while not stop.wait(rk.STATE_POLL_S):
+            try:
+                lost = not self.r.exists(rk.STATE)
+            except redis.RedisError:
+                lost = False  # the heartbeat says so when it is due
+            if lost or time.monotonic() >= due:
+                beat()
+                due = time.monotonic() + HEARTBEAT_S
+            else:
+                self.show_running()
 
     def show_running(self) -> bool:
         """Publish the last report again with what runs now, if that changed since it was written

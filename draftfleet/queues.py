@@ -67,6 +67,12 @@ def claimed_keys(r: redis.Redis, dataset: str) -> set[str]:
     return {k.decode()[len(prefix):] for k in r.scan_iter(match=prefix + "*", count=1000)}
 
 
+def claimed_units(r: redis.Redis, dataset: str) -> set[str]:
+    """Capture units (``<key>.<turn>.v<version>``) a running capture worker holds now."""
+    prefix = rk.capture_claim(dataset, "")
+    return {k.decode()[len(prefix):] for k in r.scan_iter(match=prefix + "*", count=1000)}
+
+
 def await_lost_claims(r: redis.Redis) -> bool:
     """When Redis lost its state (``rk.STATE`` is gone), wait until running workers have put back
     the claims of what they are generating, so that it is not sent again; True if it waited.

@@ -24,7 +24,7 @@ from draftfleet.conversation import record_turns
 from draftfleet.hidden import (DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings,
                                measured_bytes_per_token, projected_bytes)
 from draftfleet.producer.enqueue import PUBLISH_BATCH, TaskSender
-from draftfleet.queues import waiting_ids
+from draftfleet.queues import await_lost_claims, claimed_units, waiting_ids
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import CaptureManifest, CaptureTask
 from draftfleet.store import Store
@@ -41,6 +41,7 @@ class CaptureSummary(msgspec.Struct, kw_only=True):
     done: int  # of them with a file already
     queued: int
     already_queued: int
+    running: int = 0  # held by a running capture worker now (its claim): not sent again
     tokens_to_capture: int
     bytes_estimate: int
     free_bytes: int
@@ -116,8 +117,12 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
                            "--ignore-space to start anyway")
     m = existing or start_version(hidden, wanted)
     queue = rk.capture_queue(dataset)
+    # Claims before the queue, as enqueue does: after Redis came back empty, running workers put
+    # theirs back within a poll, so what they capture now is not sent again.
+    await_lost_claims(r)
+    held = claimed_units(r, dataset)
     waiting = waiting_ids(r, queue)  # a unit a dead worker held is queued again: harmless (write-once)
-    queued = already = 0
+    queued = already = running = 0
     with app.producer_or_acquire() as producer, producer.batch(max_size=PUBLISH_BATCH):
         sender = TaskSender(app, producer, queue, rk.CAPTURE_TASK_NAME)
         for task, _n in pending:
@@ -125,14 +130,18 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
             if task.unit in waiting:
                 already += 1
                 continue
+            if task.unit in held:
+                running += 1
+                continue
             sender.send(task.unit, msgspec.to_builtins(task), f"{dataset} {task.key[:12]} turn {task.turn}")
             queued += 1
     r.delete(rk.capture_progress(dataset))
     r.hset(rk.capture_progress(dataset), mapping={
-        "version": m.version, "units": units, "done": done, "queued": queued + already, "captured": 0, "failed": 0,
+        "version": m.version, "units": units, "done": done, "queued": queued + already + running, "captured": 0, "failed": 0,
         # for status' projection: bytes per token (x10), tokens to capture and captured since, tokens per answer token
         "bytes_per_token_x10": round(bpt * 10), "tokens": tokens, "captured_tokens": 0, "unit_tokens": unit_tokens,
         "completion_tokens": completion_tokens})
     return CaptureSummary(dataset=dataset, dataset_version=records.version, version=m.version, layer_ids=m.layer_ids,
-                          dtype=m.dtype, units=units, done=done, queued=queued, already_queued=already, tokens_to_capture=tokens, bytes_estimate=need,
+                          dtype=m.dtype, units=units, done=done, queued=queued, already_queued=already, running=running,
+                          tokens_to_capture=tokens, bytes_estimate=need,
                           free_bytes=free, bytes_per_token=bpt, budget_tokens_left=left, projected_bytes=projected)

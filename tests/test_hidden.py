@@ -432,3 +432,36 @@ def test_a_unit_stored_by_a_twin_meanwhile_is_not_counted_again(tmp_path, tokeni
     time.sleep(0.5)
     assert int(r.hget(rk.capture_progress("ds"), "captured")) == 1  # its own, not the twin's
     assert hidden.path("ds", 1, twin, 0).read_bytes() == b"the twin's file"
+
+
+def test_a_capture_worker_puts_its_claims_back_at_once_after_a_redis_reset(tmp_path, tokenizer_dir, redis_server,
+                                                                          workers):
+    import threading
+
+    from tests.capture_engine import CaptureEngine, contract
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]])
+    release = threading.Event()
+
+    def answer(ids):  # the unit takes as long as the test wants: its claim is held meanwhile
+        if len(ids) > 1:
+            release.wait(60)
+        return engine.right(ids)
+
+    engine.answer = answer
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    assert queue_capture(cfg, store, app, r, "ds").queued == 1
+    workers.start(config, "capture", "--url", engine.url, "--name", "cap", redis_url=redis_server.url)
+    claim = rk.capture_claim("ds", f"{'00' * 32}.0.v1")
+    wait_until(lambda: r.exists(claim), 60, 0.1, "the unit's claim")
+    r.flushall()  # Redis came back empty; the worker's heartbeat is 20 s away
+    t0 = time.monotonic()
+    wait_until(lambda: r.exists(claim), 10, 0.05, "the claim back")
+    assert time.monotonic() - t0 < 2.5  # within the state poll (0.5 s) and a beat, as generation workers
+    s = queue_capture(cfg, store, app, r, "ds")  # what the worker captures now is not sent again
+    assert (s.queued, s.already_queued, s.running) == (0, 0, 1)
+    release.set()
+    wait_until(lambda: len(list(HiddenStore(store).files("ds", 1))) == 1, 60, 0.1, "the unit stored")
+    assert not r.llen(rk.capture_queue("ds"))

@@ -40,7 +40,7 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
-from draftfleet.claims import HEARTBEAT_S, Claims
+from draftfleet.claims import Claims
 from draftfleet.hidden import (DTYPES, SCALES, CaptureError, HiddenStore, TargetModel, capture_settings,
                                encode_safetensors, read_safetensors, record_units, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
@@ -328,19 +328,20 @@ class CaptureRuntime:
         self.claims.release(rk.capture_claim(task.dataset, task.unit), task.dataset, token)
 
     def start_reports(self, datasets: list[str], slots: int) -> None:
-        """Every HEARTBEAT_S until :meth:`stop`: refresh the claims held, publish this worker's report
-        (``draftfleet status`` lists it; it has a TTL, so a killed worker drops out) and sweep for a
-        dead worker's messages."""
+        """Every HEARTBEAT_S until :meth:`stop`, and at once when Redis lost its state, as generation
+        workers do (``Claims.beat_until``): refresh the claims held (set ``rk.STATE`` after them),
+        publish this worker's report (``draftfleet status`` lists it; it has a TTL, so a killed
+        worker drops out) and sweep for a dead worker's messages."""
 
         def beat() -> None:
             self.claims.beat(WorkerReport(hostname=self.hostname, kind="capture", backend="vllm",
                                           endpoint=self.client.endpoint, datasets=sorted(datasets),
-                                          queues=[rk.capture_queue(d) for d in sorted(datasets)], slots=slots))
+                                          queues=[rk.capture_queue(d) for d in sorted(datasets)], slots=slots),
+                             mark_state=True)
 
         def loop() -> None:
             beat()
-            while not self._stop.wait(HEARTBEAT_S):
-                beat()
+            self.claims.beat_until(self._stop, beat)
 
         threading.Thread(target=loop, name="draftfleet-capture-report", daemon=True).start()
 

@@ -26,7 +26,7 @@ from kombu.exceptions import OperationalError
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
-from draftfleet.claims import HEARTBEAT_S, Claims
+from draftfleet.claims import Claims
 from draftfleet.conversation import conversation_record, history, runs, single_record
 from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
@@ -109,20 +109,8 @@ class Runtime:
         self.claims.release(rk.claim(task.dataset, task.key), task.dataset, token)
 
     def _beat(self) -> None:
-        """A heartbeat every HEARTBEAT_S, and at once when Redis lost its state (``rk.STATE`` gone), so
-        that the claims are back before an enqueue into the emptied Redis decides what to send again.
-        In between, what runs now reaches the report within ``STATE_POLL_S`` when it changed."""
-        due = time.monotonic() + HEARTBEAT_S
-        while not self._stop.wait(rk.STATE_POLL_S):
-            try:
-                lost = not self.r.exists(rk.STATE)
-            except redis.RedisError:
-                lost = False  # the heartbeat says so when it is due
-            if lost or time.monotonic() >= due:
-                self.heartbeat()
-                due = time.monotonic() + HEARTBEAT_S
-            else:
-                self.claims.show_running()
+        """A heartbeat every HEARTBEAT_S, at once when Redis lost its state (``Claims.beat_until``)."""
+        self.claims.beat_until(self._stop, self.heartbeat)
 
     def heartbeat(self) -> None:
         """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""

@@ -24,7 +24,8 @@ def cmd_capture(args) -> int:
     for c in summaries:
         of = f"version {c.dataset_version}" if c.dataset_version is not None else "every version"
         out.print(f"{c.dataset} ({of}) capture v{c.version} (layers {c.layer_ids}, {c.dtype}): {c.units:,} record turns, {c.done:,} "
-                  f"captured, {c.queued:,} queued ({c.already_queued:,} already queued); {c.tokens_to_capture:,} "
+                  f"captured, {c.queued:,} queued ({c.already_queued:,} already queued, {c.running:,} being captured); "
+                  f"{c.tokens_to_capture:,} "
                   f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB ({c.bytes_per_token:,.0f} B/token) of "
                   f"{c.free_bytes / 1e9:,.1f} GB free", highlight=False)
         if c.budget_tokens_left:
