@@ -137,11 +137,11 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
             queued += 1
     r.delete(rk.capture_progress(dataset))
     r.hset(rk.capture_progress(dataset), mapping={
-        "version": m.version, "units": units, "done": done, "queued": queued + already + running, "captured": 0, "failed": 0,
+        "version": m.version, "units": units, "done": done, "queued": queued + already + running, "captured": 0,
+        "failed": 0,
         # for status' projection: bytes per token (x10), tokens to capture and captured since, tokens per answer token
         "bytes_per_token_x10": round(bpt * 10), "tokens": tokens, "captured_tokens": 0, "unit_tokens": unit_tokens,
         "completion_tokens": completion_tokens})
     return CaptureSummary(dataset=dataset, dataset_version=records.version, version=m.version, layer_ids=m.layer_ids,
                           dtype=m.dtype, units=units, done=done, queued=queued, already_queued=already, running=running,
-                          tokens_to_capture=tokens, bytes_estimate=need,
-                          free_bytes=free, bytes_per_token=bpt, budget_tokens_left=left, projected_bytes=projected)
+                          tokens_to_capture=tokens, bytes_estimate=need, free_bytes=free, bytes_per_token=bpt, budget_tokens_left=left, projected_bytes=projected)
