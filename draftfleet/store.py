@@ -14,6 +14,12 @@ Layout under the root::
 Writes are atomic (temp file in the same folder, fsync, then ``link``): ``link`` fails when the
 target exists, so of two workers finishing the same key exactly one wins, on any POSIX file
 system including NFS. The winner is the only one that counts the record.
+
+Modes never follow the umask: every folder the fleet makes is ``DIR_MODE`` (0755: no group or
+other account can add a file, such as a planted progress file, or replace one) and every file it
+stores ``FILE_MODE`` (0444: read-only, so that a hard link to it, as the speculators export makes,
+cannot change the truth through an ordinary write; readable by another account, a trainer's, that
+can reach the store's folder). Only the quarantine files, appended to, stay writable by the owner.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from draftfleet.schemas.config import NAME_RE
 from draftfleet.schemas.records import DatasetManifest, FailureRecord, QuarantineEntry, ResponseRecord, TurnProgress
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+DIR_MODE = 0o755
+FILE_MODE = 0o444
+APPEND_MODE = 0o644  # the quarantine files, appended to by every enqueue
 MARKER = ".draftfleet-store"
 # What a store made before the marker existed can hold: it is recognised, and marked.
 _FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "lost+found"}
@@ -77,10 +86,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs(folder: Path) -> None:
+    """``mkdir -p`` whose every new folder is ``DIR_MODE`` whatever the umask (a folder that exists
+    is left as it is: it may be someone's on purpose, such as a shared parent)."""
+    missing = []
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        folder = folder.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            continue  # made meanwhile by another writer, with the same mode
+        os.chmod(d, DIR_MODE)
+
+
 def _write_temp(folder: Path, data: bytes) -> str:
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dirs(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
     try:
+        os.fchmod(fd, FILE_MODE)  # the open descriptor still writes
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -141,8 +166,8 @@ class Store:
                 shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
                 raise StoreError(f"refusing store {self.root}: it holds files the fleet did not make ({shown}) "
                                  f"and no {MARKER} marker; use an empty folder")
-        root.mkdir(mode=0o755, parents=True, exist_ok=True)  # not group-writable, whatever the umask
-        (root / MARKER).write_text('{"draftfleet_store": 1}\n')
+        make_dirs(root)  # not group-writable, whatever the umask
+        os.replace(_write_temp(root, b'{"draftfleet_store": 1}\n'), root / MARKER)
 
     # -- responses -----------------------------------------------------------------------
     def path(self, dataset: str, key: str) -> Path:
@@ -170,7 +195,7 @@ class Store:
         src = self.path(dataset, key)
         dst = self.root / "_unreadable" / dataset / f"{key}.{time.time_ns()}.json"
         try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(dst.parent)
             os.rename(src, dst)
         except FileNotFoundError:
             return None
@@ -316,8 +341,9 @@ class Store:
                 seen.add(_quarantine_id(e))
                 new.append(_encoder.encode(e) + b"\n")
         if new:  # appended, so that two enqueues at once cannot lose each other's lines
-            p.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            make_dirs(p.parent)
+            fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, APPEND_MODE)
+            os.fchmod(fd, APPEND_MODE)  # a new one was made under the umask
             with os.fdopen(fd, "ab") as fh:
                 fh.write((b"\n" if old and not old.endswith(b"\n") else b"") + b"".join(new))
                 fh.flush()

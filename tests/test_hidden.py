@@ -465,3 +465,47 @@ def test_a_capture_worker_puts_its_claims_back_at_once_after_a_redis_reset(tmp_p
     release.set()
     wait_until(lambda: len(list(HiddenStore(store).files("ds", 1))) == 1, 60, 0.1, "the unit stored")
     assert not r.llen(rk.capture_queue("ds"))
+
+
+def test_store_modes_do_not_follow_the_umask_and_stored_files_are_read_only(tmp_path):
+    import stat
+
+    from draftfleet.schemas.config import VLLMLaunch
+    from draftfleet.schemas.records import FailureRecord, QuarantineEntry, TurnProgress
+    from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
+
+    from tests.conftest import free_port
+    from tests.test_security import _task
+
+    old = os.umask(0o002)  # a group-shared umask: folders 0775 and files 0664 unless the fleet says otherwise
+    try:
+        store = Store(tmp_path / "store")
+        store.prepare()
+        key = "ab" * 32
+        store.put(_record(key))
+        store.put_progress(TurnProgress(key="ef" * 32, dataset="ds", turns=[]))
+        store.put_failure(FailureRecord(key="cd" * 32, dataset="ds", source="f.jsonl:2", reason="r", error_kind="http_400",
+                                        attempts=1, backend="b", worker="w", failed_at=0.0, task=_task("ds", "cd" * 32)))
+        store.quarantine("ds", [QuarantineEntry(file="f.jsonl", line=3, field=None, kind="bad_json", message="m", at=0.0)])
+        hidden = HiddenStore(store)
+        hidden.put("ds", 1, key, 0, encode_safetensors({"token_ids": ("I64", np.arange(3, dtype=np.int64))}, {}))
+        connector = connector_folder()
+        capture_server(VLLMLaunch(model_path=str(tmp_path / "model")), [0], free_port(), [2, 4, 5, 8],
+                       str(store.root / "_hidden" / "_incoming"), connector)
+        remove_connector_folder(connector)
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(store.root)): stat.S_IMODE(p.stat().st_mode) for p in store.root.rglob("*")}
+    assert {p for p in modes if p.startswith(("_progress", "_failures", "_quarantine", "_hidden", "ds"))}, modes
+    for p, mode in modes.items():
+        if (store.root / p).is_dir():
+            assert mode == 0o755, (p, oct(mode))  # no group member can plant or replace a file
+        elif p.startswith("_quarantine"):
+            assert mode == 0o644, (p, oct(mode))  # appended to by every enqueue
+        else:
+            assert mode == 0o444, (p, oct(mode))  # read-only: readable by a trainer's account, written once
+    # a hard-linked export shares the stored file's inode, hence its read-only mode
+    out = tmp_path / "ds.speculators"
+    speculators.write(out, [("id0", [0, 1, 2], [0, 1, 1], str(hidden.path("ds", 1, key, 0)))])
+    linked = out / "hidden_states" / "hs_0.safetensors"
+    assert os.path.samefile(linked, hidden.path("ds", 1, key, 0)) and stat.S_IMODE(linked.stat().st_mode) == 0o444

@@ -45,7 +45,7 @@ from draftfleet.hidden import (DTYPES, SCALES, CaptureError, HiddenStore, Target
                                encode_safetensors, read_safetensors, record_units, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
 from draftfleet.schemas.records import CaptureManifest, CaptureTask, EngineContract, WorkerReport
-from draftfleet.store import Store, StoreError, check_key, check_name
+from draftfleet.store import Store, StoreError, check_key, check_name, make_dirs
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
@@ -85,7 +85,8 @@ def connector_folder() -> str:
 
     folder = tempfile.mkdtemp(prefix="draftfleet-connector-")
     package = Path(folder) / "draftfleet" / "workers"
-    package.mkdir(mode=0o700, parents=True)
+    for d in (package.parent, package):
+        d.mkdir(mode=0o700)  # no umask takes anything from 0700
     for init in (package.parent / "__init__.py", package / "__init__.py"):
         _write_private(init, b'"""Only the connector module of the fleet, for the engine."""\n')
     _write_private(package / "vllm_connector.py", Path(__file__).with_name("vllm_connector.py").read_bytes())
@@ -110,7 +111,7 @@ def capture_server(launch: VLLMLaunch, gpus: list[int], port: int, layer_ids: li
     is a ``connector_folder()``."""
     from draftfleet.workers.launcher import EngineServer
 
-    Path(storage_path).mkdir(parents=True, exist_ok=True)
+    make_dirs(Path(storage_path))
     env = dict(env or {})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (connector, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")) if p)
     launch = msgspec.structs.replace(launch, extra_args=[*launch.extra_args, *engine_args(layer_ids, storage_path, dtype)])

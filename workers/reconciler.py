@@ -16,7 +16,7 @@ from draftfleet.assign import live_budgets
 from draftfleet.broker import connect, redact, resolve_redis_url
 from draftfleet.reconcile import Reconciler
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.store import Store
+from draftfleet.store import Store, make_dirs
 from draftfleet.workers.app import make_app
 from draftfleet.workers.worker import setup_logging
 
@@ -65,7 +65,7 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
         start_http_server(metrics_port, addr=metrics_address)
         log.info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
     state = Path(cfg.fleet.store) / "_state"
-    state.mkdir(parents=True, exist_ok=True)
+    make_dirs(state)
     log.info("reconciler every %.0fs, broker %s", interval_s, redact(url))
     app.worker_main([
         "worker", "-B", "-s", str(state / "celerybeat-schedule"), "-P", "threads", "-c", "1",
