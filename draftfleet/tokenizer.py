@@ -15,6 +15,8 @@ special ids, while response text is encoded with special-token parsing off, so a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import stat
@@ -166,6 +168,15 @@ class TargetTokenizer:
             end_of_turn=fleet.end_of_turn,
             reasoning_markers=fleet.reasoning_markers,
         )
+
+    @property
+    def chat_template_sha256(self) -> str | None:
+        """sha256 of the chat template (its JSON when the tokenizer has several); None without one."""
+        t = self._tok.chat_template
+        if not t:
+            return None
+        text = t if isinstance(t, str) else json.dumps(t, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def _default_eot(self) -> str:
         vocab = self._tok.get_vocab()

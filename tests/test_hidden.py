@@ -509,3 +509,38 @@ def test_store_modes_do_not_follow_the_umask_and_stored_files_are_read_only(tmp_
     speculators.write(out, [("id0", [0, 1, 2], [0, 1, 1], str(hidden.path("ds", 1, key, 0)))])
     linked = out / "hidden_states" / "hs_0.safetensors"
     assert os.path.samefile(linked, hidden.path("ds", 1, key, 0)) and stat.S_IMODE(linked.stat().st_mode) == 0o444
+
+
+def test_every_hidden_state_export_states_its_layers_in_each_trainers_numbering(tmp_path, monkeypatch):
+    """Issue 18, item 7: the manifest names the layers in both numberings, each format's last layer
+    and the chat template's hash; each folder's draft_config.json carries the ids in its trainer's
+    convention (speculators/vLLM: r_k is id k; SpecForge/SGLang: id k-1)."""
+    from draftfleet.export import features
+    from draftfleet.export.features import export_features
+    from draftfleet.schemas.records import CaptureManifest
+
+    store = Store(tmp_path / "store")
+    store.prepare()
+    key = "ab" * 32
+    store.put(_record(key, output_ids=[1, 2]))
+    hidden = HiddenStore(store)
+    m = CaptureManifest(dataset="ds", version=1, model="m", model_config_sha256="0" * 64, num_layers=61,
+                        hidden_size=8, layer_ids=[2, 30, 58, 61], created_at=0.0)  # Kimi-K2.5's defaults
+    hidden.write_manifest(m)
+    hidden.put("ds", 1, key, 0, encode_safetensors({"token_ids": ("I64", np.arange(5, dtype=np.int64)),
+                                                   "hidden_states": ("BF16", np.zeros((5, 4, 8), np.uint16))},
+                                                  {"prompt_len": "3"}))
+    out = tmp_path / "out"
+    plans = []
+    monkeypatch.setattr(features, "_run_torch", lambda plan, python: plans.append(plan))  # torch: tests/engines
+    got = export_features(store, "ds", out, ["speculators"], model_path=None, chat_template_sha256="c" * 64)
+    assert plans and got.layers.layer_ids_vllm == [2, 30, 58, 61]
+    assert (got.layers.aux_layer_ids_vllm, got.layers.aux_layer_ids_sglang) == ([2, 30, 58], [1, 29, 57])
+    assert got.layers.last_layer == {"speculators": "pre_norm"} and got.layers.chat_template_sha256 == "c" * 64
+    written = json.loads((out / "ds.features.json").read_text())
+    assert written["layers"]["aux_layer_ids_sglang"] == [1, 29, 57] and written["layers"]["num_layers"] == 61
+    spec = json.loads((out / "ds.speculators" / "draft_config.json").read_text())
+    assert spec == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "target_hidden_size": 8}
+    # SpecForge's default for a 61-layer target is [1, N//2-1, N-4] = [1, 29, 57], the same residual streams
+    assert features.draft_config("specforge", got.layers) == {
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}, "target_hidden_size": 8}

@@ -80,10 +80,12 @@ def cmd_export(args) -> int:
             except CaptureError:
                 model_path = None
             captured = names if args.dataset else [n for n in names if HiddenStore(store).versions(n)]
+            template = (tok or optional_tokenizer(args, cfg)) if captured else None
             found = [features.export_features(store, name, args.out, hidden_formats, model_path=model_path,
                                               version=args.capture_version, torch_python=args.torch_python,
                                               draft_vocab_size=args.draft_vocab_size, records_version=args.version,
-                                              all_versions=args.all_versions)
+                                              all_versions=args.all_versions,
+                                              chat_template_sha256=template.chat_template_sha256 if template else None)
                      for name in captured]
             if args.json:
                 print(msgspec.json.encode(found).decode())

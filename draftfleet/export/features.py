@@ -12,6 +12,17 @@ exported rows from the stored ids: speculators' ``token_freq.pt`` (its trainer's
 ``<data-path>/token_freq.pt``; ``--draft-vocab-size`` picks the size there) and SpecForge's
 ``vocab_mapping_{N}.pt`` for ``N`` = ``draft_vocab_size``. Without them a drafter predicts the
 whole target vocabulary. The ``torch.save`` files are all written in one ``torch_files.py`` run.
+
+Which layers the states are, is stated twice (``LayerContract``): in the manifest, in both
+numberings (vLLM/speculators: id k is the residual stream entering decoder layer k, id N the last
+layer's output before the final norm; SpecForge/SGLang: k-1, SGLang adds the 1 back), with each
+format's last layer (pre-norm for speculators, post-norm for SpecForge) and the chat template's
+hash; and in each folder's ``draft_config.json``, the fields of that trainer's draft-model config
+that name the layers, in its own convention (speculators' ``Eagle3SpeculatorConfig.
+eagle_aux_hidden_state_layer_ids``; SpecForge's ``eagle_config.eagle_aux_hidden_state_layer_ids``,
+which its ``resolve_eagle_capture_layers`` reads), so that the drafter served later asks the target
+for the layers it was trained on (sglang #25454: a drafter fed the neighbouring layers loses
+acceptance with no error).
 """
 
 from __future__ import annotations
@@ -38,6 +49,42 @@ from draftfleet.versions import Selection
 FORMATS = ("speculators", "specforge")
 
 
+class LayerContract(msgspec.Struct, kw_only=True):
+    """The target layers an export holds, in both trainers' numberings."""
+
+    num_layers: int  # N, the target's decoder layers
+    hidden_size: int
+    layer_ids_vllm: list[int]  # the stored slots: the aux ids, then N (the last layer's output)
+    aux_layer_ids_vllm: list[int]  # speculators' and vLLM's eagle_aux_hidden_state_layer_ids
+    aux_layer_ids_sglang: list[int]  # SpecForge's and SGLang's (each k - 1; SGLang adds the 1 back)
+    last_layer: dict[str, str]  # per format: "pre_norm" (before the final norm) or "post_norm"
+    chat_template_sha256: str | None  # of the template the records' prompts render with (None: unknown)
+
+
+LAST_LAYER = {"speculators": "pre_norm", "specforge": "post_norm"}
+DRAFT_CONFIG = "draft_config.json"
+
+
+def layer_contract(m, formats: list[str], chat_template_sha256: str | None) -> LayerContract:
+    aux = m.layer_ids[:-1]
+    return LayerContract(num_layers=m.num_layers, hidden_size=m.hidden_size, layer_ids_vllm=m.layer_ids,
+                         aux_layer_ids_vllm=aux, aux_layer_ids_sglang=[k - 1 for k in aux],
+                         last_layer={f: LAST_LAYER[f] for f in formats if f in LAST_LAYER},
+                         chat_template_sha256=chat_template_sha256)
+
+
+def draft_config(fmt: str, c: LayerContract) -> dict:
+    """The layer fields of ``fmt``'s draft-model config, in that trainer's own convention."""
+    if fmt == "speculators":  # speculators models/eagle3/config.py; vLLM reads the same field when serving
+        return {"eagle_aux_hidden_state_layer_ids": c.aux_layer_ids_vllm, "target_hidden_size": c.hidden_size}
+    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": c.aux_layer_ids_sglang},  # SGLang adds 1 back
+            "target_hidden_size": c.hidden_size}
+
+
+def _write_draft_config(folder: Path, fmt: str, c: LayerContract) -> None:
+    (folder / DRAFT_CONFIG).write_bytes(msgspec.json.format(msgspec.json.encode(draft_config(fmt, c))) + b"\n")
+
+
 class FeaturesManifest(msgspec.Struct, kw_only=True):
     dataset: str
     dataset_version: int | None  # the records' version (None: every version)
@@ -52,6 +99,7 @@ class FeaturesManifest(msgspec.Struct, kw_only=True):
     folders: dict[str, str]
     draft_vocab_size: int  # SpecForge's vocab mapping (speculators' trainer picks its own from token_freq.pt)
     trained_tokens: int  # loss-masked positions, the ones the vocabulary files count
+    layers: LayerContract
     notes: list[str] = []
 
 
@@ -95,11 +143,11 @@ def _torch_here() -> bool:
 def export_features(store: Store, dataset: str, out_dir: str | Path, formats: list[str], *,
                     model_path: str | None, version: int | None = None, torch_python: str | None = None,
                     draft_vocab_size: int = DRAFT_VOCAB_SIZE, records_version: int | None = None,
-                    all_versions: bool = False) -> FeaturesManifest:
+                    all_versions: bool = False, chat_template_sha256: str | None = None) -> FeaturesManifest:
     """Write the hidden-state exports of the dataset's current version's records (``records_version``:
     another version's; ``all_versions``: every record) from capture version ``version`` (default
     the latest); ``model_path`` (the target's folder) gives SpecForge's norm and the target's
-    vocabulary size."""
+    vocabulary size; ``chat_template_sha256`` is the fleet tokenizer's, stated in the manifest."""
     chosen = _selection(store, dataset, records_version, all_versions)
     hidden = HiddenStore(store)
     m = hidden.manifest(dataset, version)
@@ -108,12 +156,14 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
                           + ": run draftfleet capture and a capture worker first")
     rows, missing = _rows(store, dataset, m.version, chosen)
     counts = sorted(token_counts(rows).items())
+    layers = layer_contract(m, formats, chat_template_sha256)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     folders, plan, notes = {}, {}, []
     if "speculators" in formats:
         folder = out / f"{dataset}.speculators"
         speculators.write(folder, [(r[0], r[1], r[2], r[3]) for r in rows])
+        _write_draft_config(folder, "speculators", layers)
         folders["speculators"] = str(folder)
         plan["token_freq"] = {"out": str(folder / speculators.TOKEN_FREQ), "counts": counts}
         if m.dtype == "float8_e4m3fn":
@@ -134,6 +184,7 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
+        _write_draft_config(folder, "specforge", layers)
         folders["specforge"] = str(folder)
         plan["vocab_mapping"] = {"out": specforge.vocab_mapping_path(str(folder), draft), "counts": counts,
                                  "draft": draft, "target": model.vocab_size}
@@ -148,11 +199,13 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
                 for i, r in enumerate(rows)]}
         if plan:
             _run_torch(plan, torch_python)
-    return FeaturesManifest(dataset=dataset, dataset_version=chosen.version, settings=chosen.settings,
-                            capture_version=m.version, layer_ids=m.layer_ids, model=m.model,
-                            dtype=m.dtype, rows=len(rows), tokens=sum(len(r[1]) for r in rows), missing=missing,
-                            folders=folders, draft_vocab_size=draft, trained_tokens=sum(n for _, n in counts),
-                            notes=notes)
+    manifest = FeaturesManifest(dataset=dataset, dataset_version=chosen.version, settings=chosen.settings,
+                                capture_version=m.version, layer_ids=m.layer_ids, model=m.model,
+                                dtype=m.dtype, rows=len(rows), tokens=sum(len(r[1]) for r in rows), missing=missing,
+                                folders=folders, draft_vocab_size=draft, trained_tokens=sum(n for _, n in counts),
+                                layers=layers, notes=notes)
+    (out / f"{dataset}.features.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
+    return manifest
 
 
 def _run_torch(plan: dict, torch_python: str | None) -> None:

@@ -183,6 +183,15 @@ def test_captured_states_match_transformers_and_both_trainers_read_the_exports(
                   str(out), "--torch-python", capture.engine.python, "--draft-vocab-size", "64",
                   env={"REDIS_URL": redis_server.url}, timeout=300)
     assert res.returncode == 0, res.stderr
+    # the layers in each trainer's numbering (issue 18): manifest, and each folder's draft-model config fields
+    layers = json.loads((out / "hs.features.json").read_text())["layers"]
+    assert (layers["aux_layer_ids_vllm"], layers["aux_layer_ids_sglang"]) == ([2, 4, 5], [1, 3, 4])
+    assert layers["last_layer"] == {"speculators": "pre_norm", "specforge": "post_norm"}
+    assert layers["chat_template_sha256"] == tok.chat_template_sha256 is not None
+    assert json.loads((out / "hs.speculators" / "draft_config.json").read_text())["eagle_aux_hidden_state_layer_ids"] \
+        == [2, 4, 5]
+    assert json.loads((out / "hs.specforge" / "draft_config.json").read_text())["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
     read = capture.run_engine_python("trainer_readers.py", str(out / "hs.speculators"), str(out / "hs.specforge"), "4096")
     order = [row["id"] for row in read["speculators"]]
     assert sorted(order) == sorted(token_rows) and len(read["specforge"]) == 12
