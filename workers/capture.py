@@ -10,6 +10,11 @@ or fp8 with a scale per token, quantized by the connector). The worker checks th
 exactly the ids sent, the version's layers, hidden size and dtype, and only finite values, then
 stores it write-once (``hidden.py``) and deletes the engine's copy.
 
+The engine's answer is its word, not the truth: the worker reads and deletes only a file inside
+its storage folder (every link resolved, then held by a descriptor), and stores nothing whose
+contract (the connector's configuration, written into each file) differs from the version's; it
+refuses to start on an engine whose first file carries no contract or another one.
+
 Delivery is at-least-once, like generation: a message is acknowledged after the file is stored
 (or the unit is recorded as failed); a redelivered copy finds the file and stops. While a unit is
 captured its worker holds the unit's claim in Redis (``SET NX`` with a TTL its report loop keeps
