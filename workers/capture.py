@@ -89,13 +89,17 @@ def connector_folder() -> str:
     from draftfleet.tokenizer import check_code_folder
 
     folder = tempfile.mkdtemp(prefix="draftfleet-connector-")
-    package = Path(folder) / "draftfleet" / "workers"
-    for d in (package.parent, package):
-        d.mkdir(mode=0o700)  # no umask takes anything from 0700
-    for init in (package.parent / "__init__.py", package / "__init__.py"):
-        _write_private(init, b'"""Only the connector module of the fleet, for the engine."""\n')
-    _write_private(package / "vllm_connector.py", Path(__file__).with_name("vllm_connector.py").read_bytes())
-    check_code_folder(folder, "the capture engine imports the connector from it")
+    try:
+        package = Path(folder) / "draftfleet" / "workers"
+        for d in (package.parent, package):
+            d.mkdir(mode=0o700)  # no umask takes anything from 0700
+        for init in (package.parent / "__init__.py", package / "__init__.py"):
+            _write_private(init, b'"""Only the connector module of the fleet, for the engine."""\n')
+        _write_private(package / "vllm_connector.py", Path(__file__).with_name("vllm_connector.py").read_bytes())
+        check_code_folder(folder, "the capture engine imports the connector from it")
+    except BaseException:
+        remove_connector_folder(folder)
+        raise
     return folder
 
 
