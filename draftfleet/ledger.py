@@ -109,14 +109,27 @@ if added == 1 then
     redis.call('HINCRBY', KEYS[3], 'cost_micro_usd', ARGV[4])
   else  -- a conversation: each turn to the spend of the backend that paid it, unless added when paid
     for i = 11, #KEYS do
-      if redis.call('HEXISTS', KEYS[9], i - 11) == 0 then redis.call('HINCRBY', KEYS[i], 'cost_micro_usd', ARGV[i - 4]) end
+      if redis.call('HEXISTS', KEYS[9], i - 11) == 0 then redis.call('HINCRBY', KEYS[i], 'cost_micro_usd', ARGV[i - 1]) end
     end
   end
   redis.call('HINCRBY', KEYS[4], 'latency_ms', ARGV[6])
   redis.call('HINCRBY', KEYS[4], 'completion_tokens_sq', tonumber(ARGV[3]) * tonumber(ARGV[3]))
-  redis.call('HINCRBY', KEYS[6], 'completion_tokens', ARGV[3])
-  redis.call('HINCRBY', KEYS[6], 'responses', 1)
-  redis.call('EXPIRE', KEYS[6], ARGV[5])
+  if ARGV[9] == '1' then  -- the provider's own reported cost: what a measured $/Mtok is made of
+    redis.call('HINCRBY', KEYS[2], 'provider_tokens', ARGV[3])
+    redis.call('HINCRBY', KEYS[2], 'provider_cost_micro_usd', ARGV[4])
+  end
+  local e, s = tonumber(ARGV[7]), tonumber(ARGV[8])
+  if e > 0 then  -- a rate sample: the 10-second bucket, and the backend's busy time (the union of its requests)
+    redis.call('HINCRBY', KEYS[6], 'completion_tokens', ARGV[3])
+    redis.call('HINCRBY', KEYS[6], 'responses', 1)
+    redis.call('EXPIRE', KEYS[6], ARGV[5])
+    local busy_until = tonumber(redis.call('HGET', KEYS[2], 'busy_until_ms') or '0')
+    if e > busy_until then
+      redis.call('HINCRBY', KEYS[2], 'busy_ms', e - math.max(s, busy_until))
+      redis.call('HSET', KEYS[2], 'busy_until_ms', e)
+    end
+    redis.call('HINCRBY', KEYS[2], 'busy_tokens', ARGV[3])
+  end
 end
 if #KEYS > 8 then  -- the conversation's paid turns are in its record's count now (or were already)
   local paid = 0
@@ -323,15 +336,22 @@ class Ledger:
         self._rebuild_paid = client.register_script(_REBUILD_PAID)
 
     # -- counting --------------------------------------------------------------------------
-    def count(self, record: ResponseRecord, now: float | None = None) -> bool:
+    def count(self, record: ResponseRecord, now: float | None = None, *, rate: bool = True) -> bool:
         """Add a stored record to the totals (and free its reservation); False if already counted.
 
         A conversation's turns go to the spend of the backend that paid each, except those
         :meth:`prepay` added when they were paid; the tokens its marks hold leave ``paid_tokens``,
         now in the totals (the marks are consumed, also when the key was counted before): each paid
         turn is in the spend once and in the budget once, whether its conversation is stored or not.
+
+        ``rate``: the record was made just now by the backend it names, so it is a sample of that
+        backend's speed (the 10-second rate buckets, and its busy time: the union of its requests'
+        intervals, ``busy_ms`` over ``busy_tokens`` in its totals). Records brought in by
+        ``import`` or counted late by the reconciler are no backend's rate: ``rate=False``.
         """
         bucket = int((now or time.time()) // RATE_BUCKET_S)
+        end_ms = int(record.created_at * 1000) if rate else 0
+        start_ms = end_ms - int(record.latency_s * 1000) if rate else 0
         turns = getattr(record, "turns", None) or []
         conversation = [rk.prepaid(record.dataset, record.key), rk.paid_keys(record.dataset),
                         *(rk.spend(t.backend) for t in turns)] if turns else []
@@ -341,7 +361,8 @@ class Ledger:
                   rk.rate(record.dataset, record.backend, bucket), *self._reservation_index(record.dataset),
                   *conversation],
             args=[record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd), RATE_KEEP_S,
-                  int(getattr(record, "latency_s", 0.0) * 1000), *(micro_usd(t.cost_usd) for t in turns)],
+                  int(getattr(record, "latency_s", 0.0) * 1000), end_ms, start_ms,
+                  int(getattr(record, "cost_source", "none") == "provider"), *(micro_usd(t.cost_usd) for t in turns)],
         )
         return bool(added)
 

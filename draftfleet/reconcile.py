@@ -48,6 +48,7 @@ class _Figures(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cost_usd: float
+    cost_source: str = "none"
     turns: list[_TurnFigures] = []
 
 
@@ -139,7 +140,7 @@ class Reconciler:
         counted_now = {m.decode() for m in self.r.smembers(rk.counted_set(dataset))}
         newly = 0
         for key in keys - counted_now:
-            if key in records and self.ledger.count(records[key]):
+            if key in records and self.ledger.count(records[key], rate=False):  # made earlier: no rate
                 newly += 1
 
         backends = {f.backend for f in records.values()} | set(self.ledger.totals(dataset))

@@ -7,6 +7,7 @@ Layout under the root::
     _failures/<dataset>/<key>.json     tasks whose retries ran out (re-queueable)
     _unreadable/<dataset>/<key>.<ns>.json   record files that could not be read, set aside
     _quarantine/<dataset>.jsonl        input lines that were rejected, verbatim
+    _log/<dataset>.jsonl               pivots, drains and budget changes, for the report
     _progress/<dataset>/<key>.json     completed turns of a conversation still being generated
     _hidden/<dataset>/v<N>/...         captured hidden states, one file per record turn (hidden.py)
     .draftfleet-store                  marker: this folder is a fleet store (see ``Store.prepare``)
@@ -34,7 +35,14 @@ from pathlib import Path
 import msgspec
 
 from draftfleet.schemas.config import NAME_RE
-from draftfleet.schemas.records import DatasetManifest, FailureRecord, QuarantineEntry, ResponseRecord, TurnProgress
+from draftfleet.schemas.records import (
+    DatasetEvent,
+    DatasetManifest,
+    FailureRecord,
+    QuarantineEntry,
+    ResponseRecord,
+    TurnProgress,
+)
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 DIR_MODE = 0o755
@@ -42,12 +50,14 @@ FILE_MODE = 0o444
 APPEND_MODE = 0o644  # the quarantine files, appended to by every enqueue
 MARKER = ".draftfleet-store"
 # What a store made before the marker existed can hold: it is recognised, and marked.
-_FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "lost+found"}
+_FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "_log",
+                  "lost+found"}
 _encoder = msgspec.json.Encoder()
 _record_decoder = msgspec.json.Decoder(ResponseRecord)
 _failure_decoder = msgspec.json.Decoder(FailureRecord)
 _manifest_decoder = msgspec.json.Decoder(DatasetManifest)
 _quarantine_decoder = msgspec.json.Decoder(QuarantineEntry)
+_event_decoder = msgspec.json.Decoder(DatasetEvent)
 
 
 def _quarantine_id(e: QuarantineEntry) -> tuple:
@@ -348,3 +358,29 @@ class Store:
                 fh.write((b"\n" if old and not old.endswith(b"\n") else b"") + b"".join(new))
                 fh.flush()
                 os.fsync(fh.fileno())
+
+    def log_path(self, dataset: str) -> Path:
+        return self.root / "_log" / f"{check_name(dataset)}.jsonl"
+
+    def log(self, event: DatasetEvent) -> None:
+        """Append an operator's decision (a pivot, a drain, a budget) to the dataset's log: one line,
+        appended, so that two commands at once cannot lose each other's."""
+        p = self.log_path(event.dataset)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "ab") as fh:
+            fh.write(_encoder.encode(event) + b"\n")
+
+    def events(self, dataset: str) -> list[DatasetEvent]:
+        """The dataset's logged decisions, oldest first (an unreadable line is skipped)."""
+        try:
+            lines = self.log_path(dataset).read_bytes().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                out.append(_event_decoder.decode(line))
+            except msgspec.DecodeError:
+                continue
+        return sorted(out, key=lambda e: e.at)

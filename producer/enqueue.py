@@ -28,7 +28,7 @@ from draftfleet.identity import prompt_key, settings_id
 from draftfleet.ledger import Ledger
 from draftfleet.queues import await_lost_claims, claimed_keys, queued_keys
 from draftfleet.schemas.config import DatasetConfig, FleetConfig
-from draftfleet.schemas.records import DatasetManifest, Message, PromptTask
+from draftfleet.schemas.records import DatasetEvent, DatasetManifest, Message, PromptTask
 from draftfleet.store import Store
 from draftfleet.producer.readers import PromptRow, Rejection, read_prompts
 
@@ -156,6 +156,9 @@ def enqueue_dataset(
     # admission reads the budget published here, so none closes it again at the old budget.
     before = published(r).get(ds.name)
     publish(r, manifest)
+    if before is None or before.budget_tokens != manifest.budget_tokens:  # the report draws the budget's changes
+        store.log(DatasetEvent(at=time.time(), dataset=ds.name, kind="budget", budget_tokens=manifest.budget_tokens,
+                               note="enqueue"))
     closed_at = ledger.closed_at(ds.name)
     if closed_at is not None and _raised(ds.budget_tokens, closed_at):
         ledger.reopen(ds.name)  # the budget was raised (or removed): the dataset takes work again

@@ -44,7 +44,9 @@ from draftfleet.identity import prompt_key
 from draftfleet.ledger import Ledger
 from draftfleet.schemas.config import DatasetConfig
 from draftfleet.conversation import conversation_record, runs
-from draftfleet.schemas.records import DatasetManifest, Message, PromptTask, QuarantineEntry, ResponseRecord, Turn, Usage
+from draftfleet.schemas.records import (
+    IMPORTED_BY, DatasetManifest, Message, PromptTask, QuarantineEntry, ResponseRecord, Turn, Usage,
+)
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer, TemplateError, TokenizerError
 from draftfleet.producer.enqueue import prompt_messages
@@ -176,7 +178,7 @@ def _record(ds: DatasetConfig, manifest: DatasetManifest, prompt: PromptRow, row
         backend_kind="gpu" if source_kind == "exact" else "cloud", model=str(row.get("model") or manifest.settings.model),
         token_source=source_kind, usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=theirs or 0, cost_usd=cost),
         cost_usd=float(cost or 0.0), cost_source="provider" if cost is not None else "none", latency_s=0.0,
-        attempts=1, worker="import", created_at=time.time(), row_id=row_id,
+        attempts=1, worker=IMPORTED_BY, created_at=time.time(), row_id=row_id,
     )
     return msgspec.structs.replace(record, **_provenance(row, given_ids=source_kind == "exact")), decided
 
@@ -196,7 +198,7 @@ def _conversation(ds: DatasetConfig, manifest: DatasetManifest, messages: list[M
         raise _Bad("turns", f"ids outside the tokenizer's vocabulary of {tok.vocab_size}")
     task = PromptTask(key=key, dataset=ds.name, source=source, messages=messages, settings=manifest.settings,
                       settings_id=manifest.settings_id, enqueued_at=0.0, row_id=row_id)
-    record = conversation_record(task, turns, "import")
+    record = conversation_record(task, turns, IMPORTED_BY)
     given = row.get("source")
     return msgspec.structs.replace(record, source=given) if isinstance(given, str) and given else record
 
@@ -257,7 +259,7 @@ def import_file(path: str | Path, ds: DatasetConfig, manifest: DatasetManifest, 
                     summary.already_present += 1
                     continue
                 if ledger is not None:
-                    ledger.count(rec)
+                    ledger.count(rec, rate=False)  # made elsewhere, earlier: no backend's rate
                 summary.imported += 1
                 summary.completion_tokens += rec.completion_tokens
                 summary.exact += rec.token_source == "exact"

@@ -14,6 +14,8 @@ import msgspec
 SCHEMA_VERSION = 1
 
 TokenSource = Literal["exact", "retokenized"]
+# The ``worker`` of a record brought in by ``draftfleet import``: made elsewhere, earlier (no backend's rate).
+IMPORTED_BY = "import"
 BackendKind = Literal["gpu", "cloud"]
 
 
@@ -171,7 +173,8 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     kind: str  # gpu, cloud or capture
     backend: str
     endpoint: str = ""
-    datasets: list[str] = []
+    datasets: list[str] = []  # those it may consume now (followed and assigned to its kind)
+    follows: list[str] = []  # every dataset it follows, assigned to its kind or not (a pivot's target)
     queues: list[str] = []  # consumed now
     inflight: dict[str, int] = {}  # dataset -> tasks running
     slots: int = 0
@@ -179,6 +182,19 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     waiting: str | None = None  # starting up: waiting for its server (what it waits for)
     pid: int = 0
     at: float = 0.0  # when it was published
+
+
+class DatasetEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """An operator's decision on a dataset, kept in the store (``_log/<dataset>.jsonl``) for the
+    report's timelines: a pivot or drain (``assigned``: the kinds that consume it from then on), or
+    a budget that ``enqueue`` published (``budget_tokens``)."""
+
+    at: float
+    dataset: str
+    kind: Literal["assign", "budget"]
+    assigned: list[str] | None = None
+    budget_tokens: int | None = None
+    note: str = ""  # what did it ("pivot --to cloud", "drain --kind gpu", "enqueue")
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):

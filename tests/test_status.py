@@ -13,6 +13,7 @@ from rich.console import Console
 from draftfleet import redis_keys as rk
 from draftfleet.ledger import Ledger
 from draftfleet.schemas.config import load_config
+from draftfleet.schemas.records import WorkerReport
 from draftfleet.store import Store
 from draftfleet.views.status import (BackendRow, DatasetRow, Snapshot, SpendRow, WorkerRow, render, snapshot,
                                      worker_reports)
@@ -40,6 +41,8 @@ def test_rate_and_eta_from_the_runs_real_age(tmp_path, redis_server, tokenizer_d
         assert ledger.count(_rec(i, [5] * 100), now=now - 120 + i * 10)
     for i in range(5):
         r.rpush(rk.queue("ds"), b"{}")
+    report = WorkerReport(hostname="gpu-0", kind="gpu", backend="sglang", datasets=["ds"], at=now)  # a live worker
+    r.set(rk.worker_report("gpu-0"), msgspec.json.encode(report), ex=60)
     d = snapshot(cfg, r, ["ds"]).datasets[0]
     assert 1200 / 131 <= d.tps_10m <= 1200 / 119  # the old 10-minute window said 2.0
     assert d.eta_s is not None and 500 / (1200 / 119) - 1 <= d.eta_s <= 500 / (1200 / 131) + 1

@@ -116,7 +116,8 @@ class Runtime:
         """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""
         self.claims.beat(WorkerReport(
             hostname=self.hostname, kind=self.backend.kind, backend=self.backend.name, endpoint=self.backend.endpoint,
-            datasets=sorted(self.allowed), queues=sorted(self.consuming), slots=self.backend.concurrency,
+            datasets=sorted(self.allowed), follows=sorted(self.datasets), queues=sorted(self.consuming),
+            slots=self.backend.concurrency,
             paused=self.paused,
         ), mark_state=True)
 

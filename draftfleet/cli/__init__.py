@@ -17,6 +17,8 @@ from draftfleet.cli import (
     failures,
     inventory,
     pivot,
+    plan,
+    report,
     services,
     status,
     worker,
@@ -29,7 +31,7 @@ DESCRIPTION = ("Generate EAGLE-3 draft-model training data (the target model's o
                "New here: `draftfleet demo`. Each command: `draftfleet COMMAND --help`.")
 
 # The order `draftfleet --help` lists them in: the work, the services, the operator's views.
-COMMANDS = (enqueue, worker, capture, devtools, services, failures, status, pivot, inventory, data)
+COMMANDS = (enqueue, worker, capture, devtools, services, failures, status, pivot, plan, inventory, report, data)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that run once and end: a private Redis they had to start is stopped on the way out.
-ONE_SHOT = ("inventory", "export", "import", "reconcile", "status", "failures", "drain", "pivot")
+ONE_SHOT = ("inventory", "plan", "report", "export", "import", "reconcile", "status", "failures", "drain", "pivot")
 
 
 

@@ -9,8 +9,18 @@ from draftfleet.cli.common import (add_common, add_version, config_or_store, dat
                                    redis_client)
 
 
+def with_plans(args, cfg, invs) -> list:
+    """The inventories with their plans (the fleet's Redis for live figures, when it answers)."""
+    import msgspec
+
+    from draftfleet.cli.plan import fleet_redis, plans
+
+    return [msgspec.structs.replace(inv, plan=p) for inv, p in zip(invs, plans(cfg, invs, fleet_redis(args, cfg)))]
+
+
 def print_inventory(invs) -> None:
     from draftfleet.views.inventory import ROUNDTRIP_MEANING
+    from draftfleet.views.plan import render_plans
 
     for inv in invs:
         of = f"version {inv.version}" if inv.version is not None else "every version"
@@ -55,6 +65,8 @@ def print_inventory(invs) -> None:
             out.print(f"  round-trip mismatch share: {ROUNDTRIP_MEANING}", highlight=False)
         for f in v.unreadable_files[:10]:
             out.print(f"  [yellow]unreadable[/] {escape(f)}", highlight=False)
+        if inv.plan is not None:
+            out.print(render_plans([inv.plan]))
 
 
 def cmd_inventory(args) -> int:
@@ -65,8 +77,9 @@ def cmd_inventory(args) -> int:
 
     cfg, root = config_or_store(args)
     try:
-        invs = run_inventory(root, cfg, args.dataset, optional_tokenizer(args, cfg), args.roundtrip_sample,
-                             version=args.version, all_versions=args.all_versions)
+        invs = with_plans(args, cfg, run_inventory(root, cfg, args.dataset, optional_tokenizer(args, cfg),
+                                                   args.roundtrip_sample, version=args.version,
+                                                   all_versions=args.all_versions))
     except VersionError as exc:
         err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
         return 1

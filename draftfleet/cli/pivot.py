@@ -2,29 +2,75 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from draftfleet.cli.common import add_common, config_or_store, dataset_names, err, out, redis_client
-from draftfleet.cli.inventory import print_inventory
+from draftfleet.cli.inventory import print_inventory, with_plans
 
 
-def pivot_report(args, cfg, root, result, title: str) -> int:
+def pivot_report(args, cfg, root, result, title: str, warnings: dict[str, str] | None = None) -> int:
     import msgspec
 
     from draftfleet.views.inventory import run_inventory
 
-    inv = run_inventory(root, cfg, result.datasets)
+    inv = with_plans(args, cfg, run_inventory(root, cfg, result.datasets))
+    warnings = warnings or {}
     if args.json:
-        print(msgspec.json.encode({"drain": result, "inventory": inv}).decode())
+        print(msgspec.json.encode({"drain": result, "inventory": inv, "warnings": warnings}).decode())
         return 0 if result.drained else 1
     state = "done" if result.drained else f"[red]timed out with {result.still_running} still running[/]"
     out.print(f"{title}: {state} after {result.waited_s:.0f}s; assignment now "
               + ", ".join(f"{d}: {'+'.join(k) or 'nobody'}" for d, k in result.assignment.items()))
     print_inventory(inv)
+    for text in warnings.values():
+        err.print(f"[yellow]warning[/]: {escape(text)}", highlight=False)
     return 0 if result.drained else 1
 
 
-def _move(args, label: str, run, title: str) -> int:
+def dry_run(args) -> int:
+    """``pivot --dry-run``: the plan of each dataset and what the pivot would do; nothing changes."""
+    import msgspec
+
+    from draftfleet.assign import kinds_for
+    from draftfleet.views.inventory import run_inventory
+    from draftfleet.views.pivot import claims_by_kind, idle_target
+    from draftfleet.views.plan import render_plans
+
+    cfg, root = config_or_store(args)
+    r = redis_client(args, cfg)
+    names = dataset_names(args, cfg, root)
+    other = "gpu" if args.to == "cloud" else "cloud"
+    inv = with_plans(args, cfg, run_inventory(root, cfg, names, None, 0))
+    warnings = idle_target(r, args.to, names)
+    now = {d: sorted(kinds_for(r, d)) for d in names}
+    running = claims_by_kind(r, names).get(other, 0)
+    if args.json:
+        print(msgspec.json.encode({"dry_run": True, "to": args.to, "assignment": now, "would_drain": other,
+                                   "running_on_drained_side": running, "plans": [i.plan for i in inv],
+                                   "warnings": warnings}).decode())
+        return 0
+    out.print(f"dry run: pivot {', '.join(names)} to {args.to} would drain {other} ({running} running there now); "
+              "assignment now " + ", ".join(f"{d}: {'+'.join(k) or 'nobody'}" for d, k in now.items()), highlight=False)
+    out.print(render_plans([i.plan for i in inv]))
+    for text in warnings.values():
+        err.print(f"[yellow]warning[/]: {escape(text)}", highlight=False)
+    return 0
+
+
+def log_assignment(root, result, what: str) -> None:
+    """Keep the new assignment in the store's log: the report marks pivots on its timelines."""
+    import time
+
+    from draftfleet.schemas.records import DatasetEvent
+    from draftfleet.store import Store
+
+    store = Store(root)
+    for ds, kinds in result.assignment.items():
+        store.log(DatasetEvent(at=time.time(), dataset=ds, kind="assign", assigned=kinds, note=f"{what} ({result.kind} drained)"))
+
+
+def _move(args, label: str, run, title: str, warnings: dict[str, str] | None = None) -> int:
     """Run a drain or pivot with a live "waiting for N in flight" line, then report."""
     cfg, root = config_or_store(args)
     r = redis_client(args, cfg)
@@ -33,7 +79,8 @@ def _move(args, label: str, run, title: str) -> int:
         t = progress.add_task(label, total=None)
         tick = lambda running: progress.update(t, description=f"waiting for {running} in flight")  # noqa: E731
         result = run(r, names, tick)
-    return pivot_report(args, cfg, root, result, title.format(datasets=", ".join(names)))
+    log_assignment(root, result, args.command)
+    return pivot_report(args, cfg, root, result, title.format(datasets=", ".join(names)), warnings)
 
 
 def cmd_drain(args) -> int:
@@ -44,10 +91,18 @@ def cmd_drain(args) -> int:
 
 
 def cmd_pivot(args) -> int:
-    from draftfleet.views.pivot import pivot
+    from draftfleet.views.pivot import idle_target, pivot
 
-    return _move(args, "pivoting", lambda r, names, tick: pivot(r, args.to, names, args.timeout, tick),
-                 f"pivoted {{datasets}} to {args.to}")
+    if args.dry_run:
+        return dry_run(args)
+
+    def run(r, names, tick):
+        result = pivot(r, args.to, names, args.timeout, tick)
+        warnings.update(idle_target(r, args.to, names))  # after the wait: reports show the new assignment
+        return result
+
+    warnings: dict[str, str] = {}
+    return _move(args, "pivoting", run, f"pivoted {{datasets}} to {args.to}", warnings)
 
 
 def register(sub) -> None:
@@ -65,4 +120,6 @@ def register(sub) -> None:
     sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
     sp.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for in-flight work (default 1800)")
     sp.add_argument("--json", action="store_true", help="print the result and the inventory as JSON")
+    sp.add_argument("--dry-run", action="store_true",
+                    help="change nothing: print each dataset's plan (time and money to finish on each side) and warnings")
     sp.set_defaults(func=cmd_pivot)

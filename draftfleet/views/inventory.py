@@ -26,10 +26,11 @@ from draftfleet.identity import prompt_key
 from draftfleet.producer.enqueue import prompt_messages
 from draftfleet.producer.readers import Rejection, read_prompts
 from draftfleet.schemas.config import DatasetConfig, FleetConfig
-from draftfleet.schemas.records import GenerationSettings, ResponseRecord
+from draftfleet.schemas.records import IMPORTED_BY, GenerationSettings, ResponseRecord
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.versions import Selection, select
+from draftfleet.views.plan import DatasetPlan
 
 _decode = msgspec.json.Decoder(ResponseRecord).decode
 _msg_encoder = msgspec.json.Encoder()
@@ -83,6 +84,29 @@ class HiddenInventory(msgspec.Struct, kw_only=True):
     projected_bytes: int = 0  # what the turns not captured yet and the budget left will take, in this dtype
 
 
+class Activity(msgspec.Struct, kw_only=True):
+    """How a backend worked on a dataset, for the plan: its busy time (the union of its requests'
+    intervals, ``created_at - latency_s`` to ``created_at``) and the tokens made in it, and the
+    provider's own reported cost. Imported records are in no backend's busy time."""
+
+    backend: str
+    kind: str
+    busy_s: float = 0.0
+    busy_tokens: int = 0
+    provider_tokens: int = 0
+    provider_cost_usd: float = 0.0
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, until = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > until:
+            total += end - max(start, until)
+            until = end
+    return total
+
+
 class DatasetInventory(msgspec.Struct, kw_only=True):
     dataset: str
     version: int | None = None  # the dataset version counted (None: every version, or no manifest)
@@ -103,6 +127,8 @@ class DatasetInventory(msgspec.Struct, kw_only=True):
     cost_to_finish_usd: dict[str, float]
     validation: Validation
     hidden_states: HiddenInventory | None = None
+    activity: list[Activity] = []
+    plan: DatasetPlan | None = None  # set by the commands that can read the fleet's Redis too (plan.py)
 
 
 def record_tokens(rec: ResponseRecord) -> int:
@@ -142,6 +168,8 @@ class _Partial(msgspec.Struct):
     other_tokens: int = 0  # theirs: the budget counts every version's records
     unreadable: list[str] = []
     sample: list[list[int]] = []
+    intervals: dict[str, list[tuple[float, float]]] = {}  # backend -> its requests' (start, end), not imported
+    activity: dict[str, Activity] = {}
 
 
 def _scan(paths: list[str], vocab_size: int | None, eot_id: int | None, sample_records: int,
@@ -190,6 +218,15 @@ def _scan(paths: list[str], vocab_size: int | None, eot_id: int | None, sample_r
             sp.provider_responses += 1
             sp.provider_completion_tokens += rec.usage.completion_tokens
             sp.provider_difference += record_tokens(rec) - rec.usage.completion_tokens
+        act = part.activity.get(rec.backend)
+        if act is None:
+            act = part.activity[rec.backend] = Activity(backend=rec.backend, kind=rec.backend_kind)
+        if rec.worker != IMPORTED_BY:
+            part.intervals.setdefault(rec.backend, []).append((rec.created_at - rec.latency_s, rec.created_at))
+            act.busy_tokens += record_tokens(rec)
+        if rec.cost_source == "provider":
+            act.provider_tokens += record_tokens(rec)
+            act.provider_cost_usd += rec.cost_usd
         h = _prompt_hash(rec)
         part.prompts[h] = part.prompts.get(h, 0) + 1
         part.truncated += rec.truncated
@@ -242,6 +279,8 @@ def inventory_dataset(
     v = Validation(ids_out_of_vocab=0 if tokenizer else None, stop_without_eot=0 if tokenizer else None)
     sample: list[list[int]] = []
     conversations = sum(part.conversations for part in parts)
+    activity: dict[str, Activity] = {}
+    intervals: dict[str, list[tuple[float, float]]] = {}
     for part in parts:
         for label, sp in part.splits.items():
             acc = splits.setdefault(label, Split(backend=sp.backend, backend_kind=sp.backend_kind,
@@ -255,6 +294,13 @@ def inventory_dataset(
             acc.provider_completion_tokens += sp.provider_completion_tokens
             acc.provider_difference += sp.provider_difference
         prompts.update(part.prompts)
+        for name, act in part.activity.items():
+            acc = activity.setdefault(name, Activity(backend=name, kind=act.kind))
+            acc.busy_tokens += act.busy_tokens
+            acc.provider_tokens += act.provider_tokens
+            acc.provider_cost_usd += act.provider_cost_usd
+        for name, spans in part.intervals.items():
+            intervals.setdefault(name, []).extend(spans)
         v.truncated += part.truncated
         v.schema_errors += part.schema_errors
         v.unreadable_files.extend(part.unreadable)
@@ -298,6 +344,9 @@ def inventory_dataset(
         mean_tokens=round(mean, 1) if mean else None, by_source=by_source, budget_tokens=budget,
         share_done=round(spent / budget, 4) if budget else None, remaining_tokens=remaining, prompts_left=prompts_left,
         spend_usd=round(sum(s.cost_usd for s in by_source), 4), cost_to_finish_usd=cost, validation=v,
+        activity=[msgspec.structs.replace(a, busy_s=round(busy_seconds(intervals.get(a.backend, [])), 3),
+                                          provider_cost_usd=round(a.provider_cost_usd, 6))
+                  for a in sorted(activity.values(), key=lambda a: a.backend)],
     )
 
 

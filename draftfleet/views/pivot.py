@@ -43,6 +43,24 @@ def claims_by_kind(r: redis.Redis, datasets: list[str]) -> dict[str, int]:
     return out
 
 
+def idle_target(r: redis.Redis, kind: str, datasets: list[str]) -> dict[str, str]:
+    """The datasets that no live worker of ``kind`` would take (reporting, following the dataset,
+    neither paused nor waiting for its server), each with why: what a pivot to ``kind`` must warn of."""
+    reports = [w for w in worker_reports(r) if w.kind == kind]
+    out = {}
+    for ds in datasets:
+        mine = [w for w in reports if ds in w.follows or ds in w.datasets]
+        if any(not w.paused and not w.waiting for w in mine):
+            continue
+        if mine:
+            why = "; ".join(f"{w.hostname} {'paused: ' + w.paused if w.paused else 'waiting for ' + str(w.waiting)}"
+                            for w in mine)
+            out[ds] = f"no live {kind} worker takes {ds} ({why})"
+        else:
+            out[ds] = f"no live {kind} worker takes {ds}: start one (draftfleet worker {kind} ...)"
+    return out
+
+
 def _wait(r: redis.Redis, kind: str, datasets: list[str], timeout_s: float, on_tick=None) -> tuple[bool, float, int]:
     started = time.monotonic()
     # Let every worker see the new assignment before trusting the claims we read.

@@ -17,6 +17,7 @@ from rich import box
 from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import kinds_for, live_budgets
@@ -24,6 +25,7 @@ from draftfleet.ledger import Ledger
 from draftfleet.queues import depth, held
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import WorkerReport
+from draftfleet.views.plan import DatasetPlan, plan_from_redis, render_plans
 
 _report_decoder = msgspec.json.Decoder(WorkerReport)
 
@@ -65,7 +67,8 @@ class DatasetRow(msgspec.Struct, kw_only=True):
     finished: bool  # nothing queued or held: every enqueued prompt has an outcome
     tps_1m: float
     tps_10m: float
-    eta_s: float | None
+    eta_s: float | None  # from the assigned kinds' live workers only (plan.py)
+    stalled: str | None = None  # why there is no ETA although work is left ("no live gpu worker")
     backends: list[BackendRow]
     retries: int
     failures: int
@@ -96,26 +99,13 @@ class Snapshot(msgspec.Struct, kw_only=True):
     datasets: list[DatasetRow]
     spend: list[SpendRow]
     capture: list[CaptureRow] = []
+    plans: list[DatasetPlan] = []
 
 
 def worker_reports(r: redis.Redis) -> list[WorkerReport]:
     keys = list(r.scan_iter(match=rk.worker_report("*"), count=500))
     values = r.mget(keys) if keys else []
     return [_report_decoder.decode(v) for v in values if v]
-
-
-def eta_s(*, closed: bool, prompts_left: int, remaining_tokens: int | None, mean_tokens: float | None,
-          tps: float) -> float | None:
-    """Seconds until the prompts or the budget run out, whichever is first, at ``tps`` tokens/s.
-
-    None for a closed or finished dataset, and while there is no rate or no mean to go by.
-    """
-    if closed or prompts_left == 0 or tps <= 0 or not mean_tokens:
-        return None
-    tokens = prompts_left * mean_tokens
-    if remaining_tokens is not None:
-        tokens = min(tokens, remaining_tokens)
-    return round(tokens / tps)
 
 
 def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None) -> Snapshot:
@@ -136,7 +126,7 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
                   age_s=round(now - (w.at or now), 1))
         for w in sorted(reports, key=lambda w: (w.kind, w.hostname))
     ]
-    rows = []
+    rows, plans = [], []
     all_totals = ledger.all_totals()
     holding = held(r)
     for dataset, budget in chosen:
@@ -157,21 +147,23 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
         queued, holds = depth(r, dataset), holding.get(dataset, 0)
         closed = ledger.closed_at(dataset) is not None
         events = ledger.events(dataset)
+        plan = plan_from_redis(cfg, r, dataset, budget_tokens=budget, prompts_left=queued + holds, reports=reports,
+                               totals=totals, closed=closed, now=now)
+        plans.append(plan)
         rows.append(DatasetRow(
             dataset=dataset, assigned=sorted(kinds_for(r, dataset)), queue_depth=queued, held=holds,
             inflight=inflight, responses=responses, completion_tokens=done,
             budget_tokens=budget, share_done=round(done / budget, 4) if budget else None, remaining_tokens=remaining,
             closed=closed, finished=not closed and responses > 0 and queued + holds == 0,
             tps_1m=round(sum(b.tps_1m for b in backends), 1), tps_10m=round(tps_10m, 1),
-            eta_s=eta_s(closed=closed, prompts_left=queued + holds, remaining_tokens=remaining,
-                        mean_tokens=done / responses if responses else None, tps=tps_10m),
-            backends=backends, retries=sum(v for k, v in events.items() if k.startswith("retry:")),
+            eta_s=plan.eta_s, stalled=plan.stalled, backends=backends, retries=sum(v for k, v in events.items() if k.startswith("retry:")),
             failures=sum(v for k, v in events.items() if k.startswith("failed:")),
         ))
     spend = [SpendRow(backend=name, spent_usd=ledger.spend_usd(name), cap_usd=cb.max_spend_usd)
              for name, cb in sorted(cfg.clouds.items())]
     return Snapshot(at=now, workers=workers, datasets=rows, spend=spend,
-                    capture=capture_rows(r, [n for n, _ in chosen], {d.dataset: d.remaining_tokens for d in rows}))
+                    capture=capture_rows(r, [n for n, _ in chosen], {d.dataset: d.remaining_tokens for d in rows}),
+                    plans=plans)
 
 
 def capture_rows(r: redis.Redis, datasets: list[str], budget_left: dict[str, int | None]) -> list[CaptureRow]:
@@ -198,6 +190,8 @@ def _eta(d: DatasetRow) -> str:
         return "closed"
     if d.finished:
         return "done"
+    if d.stalled:
+        return "[red]stalled[/]"
     if d.eta_s is None:
         return "-"
     h, rest = divmod(int(d.eta_s), 3600)
@@ -261,12 +255,13 @@ def render(snap: Snapshot) -> Group:
     st = _table("cloud spend", [("backend", False), ("spent $", True), ("cap $", True)])
     for s in snap.spend:
         st.add_row(s.backend, _usd(s.spent_usd), _usd(s.cap_usd) if s.cap_usd is not None else "-")
+    plan = Group(Text("plan: to finish each dataset (draftfleet plan)", style="italic"), render_plans(snap.plans))
     if not snap.capture:
-        return Group(wt, dt, bt, st)
+        return Group(wt, dt, bt, st, plan)
     ct = _table("hidden-state capture", [("dataset", False), ("version", True), ("captured", True), ("of", True),
                                          ("queued", True), ("failed", True), ("B/token", True), ("to come", True)])
     for c in snap.capture:
         ct.add_row(c.dataset, f"v{c.version}", _n(c.captured), _n(c.units), _n(c.queued), _n(c.failed),
                    _n(round(c.bytes_per_token)) if c.bytes_per_token is not None else "-",
                    f"{c.projected_bytes / 1e9:,.2f} GB" if c.projected_bytes is not None else "-")
-    return Group(wt, dt, bt, st, ct)
+    return Group(wt, dt, bt, st, ct, plan)

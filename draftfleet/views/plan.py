@@ -1,0 +1,334 @@
+"""``draftfleet plan``: what is left of a dataset, and the time and money to finish it on each side.
+
+The seed's pivot, computed instead of done by hand: keep the local GPUs (slow, no money per
+token), pay a cloud (fast, per token), or run both at once. For each backend configured or
+running:
+
+- its rate: the last ten minutes while it is producing (the ledger's rate buckets); once it has
+  stopped, its run's mean (tokens over its busy time, the union of its requests' intervals);
+  else "not measured";
+- a cloud's price per million completion tokens: measured from the provider's own reported
+  cost (prompt tokens included), else the configured prices ("configured");
+- the tokens left: the rest of the budget, or the prompts left at the mean length, whichever
+  runs out first.
+
+The ETA counts only the kinds assigned to the dataset that have a live worker on it (reporting,
+neither paused nor waiting for its server); with none the dataset is ``stalled`` and has no ETA.
+Records brought in by ``import`` (and counted late by the reconciler) are no backend's rate.
+
+API: :func:`plan_dataset` (pure, from figures) makes a :class:`DatasetPlan`; :func:`plan_from_redis`
+(status, metrics, ``pivot --dry-run``) and :func:`plan_from_inventory` (inventory, report) gather
+the figures; :func:`render_plans` is the rich table every command prints.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import redis
+from rich import box
+from rich.console import Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from draftfleet.assign import kinds_for
+from draftfleet.ledger import Ledger
+from draftfleet.schemas.config import FleetConfig
+from draftfleet.schemas.records import WorkerReport
+
+if TYPE_CHECKING:
+    from draftfleet.views.inventory import DatasetInventory
+
+WINDOW_S = 600
+ENGINES = ("sglang", "vllm")  # the GPU backends' names (a GPU worker's backend is its engine)
+ALL_AT_ONCE = "all at once"
+
+
+class BackendMeasure(msgspec.Struct, kw_only=True):
+    """What is known of one backend on one dataset: how fast, at what price, with how many live workers."""
+
+    backend: str
+    kind: str  # gpu or cloud
+    window_tps: float = 0.0  # completion tokens/s over the last 10 minutes (or the run's age if shorter)
+    producing: bool = False  # it counted a response in the last minute
+    run_tps: float | None = None  # its run's mean: tokens over busy time (None: no busy time known)
+    provider_tokens: int = 0  # completion tokens of its records that carry the provider's own cost
+    provider_cost_usd: float = 0.0  # that cost
+    configured_usd_per_mtok: float | None = None  # a cloud's configured prices, per completion Mtok
+    live_workers: int = 0  # live workers of this backend on this dataset
+
+
+class Side(msgspec.Struct, kw_only=True):
+    """One way to finish a dataset: one backend, or every measured one at once (``ALL_AT_ONCE``)."""
+
+    backend: str
+    kind: str  # gpu, cloud, or both
+    tokens_per_s: float | None
+    rate_source: str  # "last 10 min", "run's mean", "not measured"
+    usd_per_mtok: float | None  # per million completion tokens, prompt tokens included
+    price_source: str  # "measured" (the provider's reported cost), "configured", "local" (GPU), "not priced"
+    time_s: float | None  # to finish there
+    cost_usd: float | None  # to finish there (0 on GPUs: no money per token)
+    assigned: bool  # its kind may consume the dataset now
+    live_workers: int
+
+
+class DatasetPlan(msgspec.Struct, kw_only=True):
+    dataset: str
+    state: str  # open, closed (budget reached), done (no prompt left)
+    responses: int
+    completion_tokens: int
+    budget_tokens: int | None
+    mean_tokens: float | None
+    prompts_left: int | None  # None: not known here
+    remaining_tokens: int | None  # to generate: the budget's rest or the prompts left, whichever is first
+    sides: list[Side]
+    at_once: Side | None  # every measured side together (only with both a GPU and a cloud side)
+    assigned: list[str]
+    workers_known: bool  # False: no worker reports were read (no Redis): no ETA, no stall
+    eta_s: float | None  # from the live, assigned sides only
+    stalled: str | None  # why there is no ETA although work is left ("no live gpu worker")
+
+
+def _rate(m: BackendMeasure) -> tuple[float | None, str]:
+    if m.producing and m.window_tps > 0:
+        return m.window_tps, "last 10 min"
+    if m.run_tps:
+        return m.run_tps, "run's mean"
+    if m.window_tps > 0:
+        return m.window_tps, "last 10 min"
+    return None, "not measured"
+
+
+def _price(m: BackendMeasure) -> tuple[float | None, str]:
+    if m.kind == "gpu":
+        return 0.0, "local"
+    if m.provider_tokens > 0:
+        return m.provider_cost_usd / m.provider_tokens * 1e6, "measured"
+    if m.configured_usd_per_mtok is not None:
+        return m.configured_usd_per_mtok, "configured"
+    return None, "not priced"
+
+
+def _finish(remaining: int | None, tps: float | None, usd: float | None) -> tuple[float | None, float | None]:
+    if remaining is None:
+        return None, None
+    time_s = round(remaining / tps) if tps else None
+    cost = round(remaining * usd / 1e6, 2) if usd is not None else None
+    return time_s, cost
+
+
+def plan_dataset(dataset: str, *, responses: int, completion_tokens: int, budget_tokens: int | None,
+                 prompts_left: int | None, measures: list[BackendMeasure], assigned: set[str],
+                 closed: bool = False, workers_known: bool = True) -> DatasetPlan:
+    """The plan of one dataset from its figures (no I/O): see the module's docstring."""
+    mean = completion_tokens / responses if responses else None
+    done = prompts_left == 0 and responses > 0
+    bounds = [b for b in (max(0, budget_tokens - completion_tokens) if budget_tokens else None,
+                          round(prompts_left * mean) if prompts_left is not None and mean else None) if b is not None]
+    if prompts_left == 0:
+        bounds.append(0)
+    remaining = 0 if closed else (min(bounds) if bounds else None)
+    sides = []
+    for m in sorted(measures, key=lambda m: (m.kind != "gpu", m.backend)):
+        tps, rate_source = _rate(m)
+        usd, price_source = _price(m)
+        time_s, cost = _finish(remaining, tps, usd)
+        sides.append(Side(backend=m.backend, kind=m.kind, tokens_per_s=round(tps, 1) if tps else None,
+                          rate_source=rate_source, usd_per_mtok=round(usd, 4) if usd is not None else None,
+                          price_source=price_source, time_s=time_s, cost_usd=cost, assigned=m.kind in assigned,
+                          live_workers=m.live_workers))
+    measured = [s for s in sides if s.tokens_per_s]
+    at_once = None
+    if {s.kind for s in measured} >= {"gpu", "cloud"}:
+        total = sum(s.tokens_per_s for s in measured)
+        priced = all(s.usd_per_mtok is not None for s in measured)
+        usd = sum(s.tokens_per_s / total * s.usd_per_mtok for s in measured) if priced else None
+        time_s, cost = _finish(remaining, total, usd)
+        at_once = Side(backend=ALL_AT_ONCE, kind="both", tokens_per_s=round(total, 1), rate_source="sum",
+                       usd_per_mtok=round(usd, 4) if usd is not None else None,
+                       price_source="measured" if all(s.price_source in ("measured", "local") for s in measured)
+                       else "configured", time_s=time_s, cost_usd=cost, assigned=True,
+                       live_workers=sum(s.live_workers for s in measured))
+    state = "closed" if closed else "done" if done else "open"
+    eta, stalled = None, None
+    if state == "open" and workers_known and remaining:
+        live = [s for s in sides if s.assigned and s.live_workers > 0]
+        if not live:
+            stalled = f"no live {' or '.join(sorted(assigned))} worker" if assigned else "assigned to no worker kind"
+        else:
+            tps = sum(s.tokens_per_s or 0 for s in live)
+            eta = round(remaining / tps) if tps else None
+    return DatasetPlan(dataset=dataset, state=state, responses=responses, completion_tokens=completion_tokens,
+                       budget_tokens=budget_tokens, mean_tokens=round(mean, 1) if mean else None,
+                       prompts_left=prompts_left, remaining_tokens=remaining, sides=sides, at_once=at_once,
+                       assigned=sorted(assigned), workers_known=workers_known, eta_s=eta, stalled=stalled)
+
+
+# -- gathering the figures ---------------------------------------------------------------------------
+def is_live_on(w: WorkerReport, dataset: str) -> bool:
+    """A worker that takes this dataset's tasks now: reporting, allowed the dataset, neither paused
+    nor waiting for its server (a worker publishes its report as soon as its assignment changes)."""
+    return w.kind in ("gpu", "cloud") and dataset in w.datasets and not w.paused and not w.waiting
+
+
+def configured_kinds(cfg: FleetConfig | None) -> dict[str, str]:
+    """Backend name -> kind, for every backend the config names (an engine's backend is its name)."""
+    if cfg is None:
+        return {}
+    out = {name: "gpu" for name in ENGINES if getattr(cfg, name, None) is not None}
+    out.update({name: "cloud" for name in cfg.clouds})
+    return out
+
+
+def _configured_price(cfg: FleetConfig | None, backend: str, prompt_per_completion: float) -> float | None:
+    if cfg is None or backend not in cfg.clouds:
+        return None
+    c = cfg.clouds[backend]
+    return c.price_output_per_mtok + c.price_input_per_mtok * prompt_per_completion
+
+
+def _backends(cfg: FleetConfig | None, reports: list[WorkerReport], produced: dict[str, str]) -> dict[str, str]:
+    """The backends to plan for, with their kinds: configured, running, or having produced (kind known)."""
+    kinds = {**{b: k for b, k in produced.items() if k in ("gpu", "cloud")}, **configured_kinds(cfg)}
+    kinds.update({w.backend: w.kind for w in reports if w.kind in ("gpu", "cloud")})
+    return kinds
+
+
+def plan_from_redis(cfg: FleetConfig, r: redis.Redis, dataset: str, *, budget_tokens: int | None, prompts_left: int,
+                    reports: list[WorkerReport], totals: dict[str, dict[str, int]] | None = None,
+                    closed: bool | None = None, now: float | None = None) -> DatasetPlan:
+    """The plan from Redis alone (quick): the ledger's counters, rates and busy time, the worker
+    reports and the assignment. ``prompts_left``: the queued and held tasks."""
+    now = time.time() if now is None else now
+    ledger = Ledger(r)
+    totals = ledger.totals(dataset) if totals is None else totals
+    kinds = _backends(cfg, reports, {})
+    names = sorted(kinds)
+    rates = ledger.rates(dataset, names, [60, WINDOW_S], now) if names else {}
+    done = sum(t.get("completion_tokens", 0) for t in totals.values())
+    prompt = sum(t.get("prompt_tokens", 0) for t in totals.values())
+    measures = []
+    for name in names:
+        t = totals.get(name, {})
+        busy_s = t.get("busy_ms", 0) / 1000
+        measures.append(BackendMeasure(
+            backend=name, kind=kinds[name], window_tps=rates[name][1], producing=rates[name][0] > 0,
+            run_tps=t.get("busy_tokens", 0) / busy_s if busy_s >= 1 else None,
+            provider_tokens=t.get("provider_tokens", 0), provider_cost_usd=t.get("provider_cost_micro_usd", 0) / 1e6,
+            configured_usd_per_mtok=_configured_price(cfg, name, prompt / done if done else 0.0),
+            live_workers=sum(1 for w in reports if w.backend == name and is_live_on(w, dataset))))
+    return plan_dataset(dataset, responses=sum(t.get("responses", 0) for t in totals.values()), completion_tokens=done,
+                        budget_tokens=budget_tokens, prompts_left=prompts_left, measures=measures,
+                        assigned=kinds_for(r, dataset),
+                        closed=ledger.closed_at(dataset) is not None if closed is None else closed)
+
+
+def plan_from_inventory(cfg: FleetConfig | None, inv: DatasetInventory, r: redis.Redis | None) -> DatasetPlan:
+    """The plan from an inventory (the store: counts, busy time, provider costs), with the ledger's
+    recent rates, the worker reports and the assignment when Redis is at hand (``r``)."""
+    from draftfleet.views.status import worker_reports
+
+    reports = worker_reports(r) if r is not None else []
+    produced = {a.backend: a.kind for a in inv.activity}
+    kinds = _backends(cfg, reports, produced)
+    names = sorted(kinds)
+    rates = Ledger(r).rates(inv.dataset, names, [60, WINDOW_S]) if r is not None and names else {}
+    activity = {a.backend: a for a in inv.activity}
+    ratio = inv.prompt_tokens / inv.completion_tokens if inv.completion_tokens else 0.0
+    measures = []
+    for name in names:
+        a = activity.get(name)
+        window = rates.get(name, [0.0, 0.0])
+        measures.append(BackendMeasure(
+            backend=name, kind=kinds[name], window_tps=window[1], producing=window[0] > 0,
+            run_tps=a.busy_tokens / a.busy_s if a and a.busy_s >= 1 else None,
+            provider_tokens=a.provider_tokens if a else 0, provider_cost_usd=a.provider_cost_usd if a else 0.0,
+            configured_usd_per_mtok=_configured_price(cfg, name, ratio),
+            live_workers=sum(1 for w in reports if w.backend == name and is_live_on(w, inv.dataset))))
+    closed = Ledger(r).closed_at(inv.dataset) is not None if r is not None else False
+    return plan_dataset(inv.dataset, responses=inv.responses, completion_tokens=inv.completion_tokens,
+                        budget_tokens=inv.budget_tokens, prompts_left=inv.prompts_left, measures=measures,
+                        assigned=kinds_for(r, inv.dataset) if r is not None else {"gpu", "cloud"},
+                        closed=closed, workers_known=r is not None)
+
+
+# -- rendering ----------------------------------------------------------------------------------------
+def duration(seconds: float | None) -> str:
+    """``13h08m``, ``4m05s``, ``3d02h``; ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    d, rest = divmod(s, 86400)
+    h, rest = divmod(rest, 3600)
+    if d:
+        return f"{d}d{h:02d}h"
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def tokens(n: float | None) -> str:
+    if n is None:
+        return "-"
+    if abs(n) < 100_000:
+        return f"{n:,.0f}"
+    return f"{n / 1e6:.2f}M" if abs(n) < 1e9 else f"{n / 1e9:.2f}G"
+
+
+def headline(p: DatasetPlan) -> str:
+    """One line: what is left and why (the ETA, or why there is none)."""
+    if p.state == "closed":
+        return f"{p.dataset}: closed at its budget ({tokens(p.completion_tokens)} tokens)"
+    if p.state == "done":
+        return f"{p.dataset}: done, no prompt left ({tokens(p.completion_tokens)} tokens)"
+    left = f"{tokens(p.remaining_tokens)} tokens left" if p.remaining_tokens is not None else "tokens left: not known"
+    if p.budget_tokens:
+        left += f" of a {tokens(p.budget_tokens)} budget"
+    if p.prompts_left is not None:
+        left += f", {p.prompts_left:,} prompts left"
+    if p.stalled:
+        now = f"stalled: {p.stalled}"
+    elif not p.workers_known:
+        now = "workers not known (no Redis)"
+    elif p.eta_s is not None:
+        now = f"ETA {duration(p.eta_s)} ({'+'.join(p.assigned)})"
+    else:
+        now = "ETA - (no rate yet)"
+    return f"{p.dataset}: {left}; {now}"
+
+
+def _side_row(s: Side, workers_known: bool) -> list[str]:
+    tps = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-"
+    cost = "-" if s.cost_usd is None else f"{s.cost_usd:,.2f}"
+    if s.kind == "both":
+        how = "every side above at its rate"
+    else:
+        price = {"local": "no money per token", "not priced": "no price"}.get(
+            s.price_source, f"${s.usd_per_mtok:,.2f}/Mtok {s.price_source}")
+        live = ("workers not known" if not workers_known else f"{s.live_workers} live" if s.live_workers
+                else "none live")
+        how = f"rate: {s.rate_source}; {price}; {live}" + ("" if s.assigned else ", not assigned")
+    return [escape(f"{s.backend} ({s.kind})" if s.kind != "both" else s.backend), tps, duration(s.time_s), cost,
+            escape(how)]
+
+
+def render_plans(plans: list[DatasetPlan]) -> Group:
+    """Each dataset's headline, then one row per side: rate, price, time and money to finish there."""
+    parts = []
+    for p in plans:
+        parts.append(Text(headline(p), style="red" if p.stalled else ""))
+        if p.state != "open" or not p.sides:
+            continue
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), show_edge=False)
+        for name, numeric in (("to finish on", False), ("tok/s", True), ("time", True), ("cost $", True),
+                              ("measured how", False)):
+            if numeric:
+                t.add_column(name, justify="right", no_wrap=True)
+            else:
+                t.add_column(name, overflow="fold")
+        for s in p.sides + ([p.at_once] if p.at_once else []):
+            t.add_row(*_side_row(s, p.workers_known))
+        parts.append(t)
+    return Group(*parts)

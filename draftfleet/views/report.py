@@ -1,0 +1,350 @@
+"""``draftfleet report``: a run that lasts days, as pictures, in one self-contained HTML file.
+
+Per dataset, from the store (the truth): the completion-length histogram of each backend with the
+``max_tokens`` line and the share cut there; tokens over time per backend with the pivots, the
+budget's changes (the store's log, ``Store.events``) and the budget line; cloud spend over time
+against each cap; failures and quarantined lines by reason (with the ledger's retry and failure
+counters when Redis is at hand); hidden-state capture progress and bytes; and the plan. Charts are
+drawn by matplotlib as SVG and inlined: the file needs no network and no script.
+
+Records are read with a decoder of only the fields drawn (msgspec skips the ids), by a process per
+core for large datasets, and series are binned before drawing: a 100k-record dataset reports in
+seconds (``python -m bench report``).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import msgspec
+
+from draftfleet.schemas.records import IMPORTED_BY
+from draftfleet.store import Store
+from draftfleet.views.plan import DatasetPlan, duration, headline, tokens
+
+PARALLEL_FROM = 5000  # record files; below this a process pool costs more than it saves
+MAX_POINTS = 400  # points per time series drawn (binned): the SVG stays small whatever the store holds
+
+
+class _Row(msgspec.Struct):
+    """The part of a record the report draws (decoding only this skips the ids)."""
+
+    backend: str
+    backend_kind: str
+    completion_tokens: int
+    truncated: bool
+    cost_usd: float
+    created_at: float
+    worker: str
+
+
+_row = msgspec.json.Decoder(_Row)
+
+
+class Columns(msgspec.Struct):
+    """A dataset's records as columns (one entry per record), in no set order."""
+
+    backend: list[str]
+    kind: list[str]
+    tokens: list[int]
+    truncated: list[bool]
+    cost: list[float]
+    at: list[float]
+    imported: list[bool]
+    unreadable: int = 0
+
+
+def _read(paths: list[str]) -> Columns:
+    c = Columns([], [], [], [], [], [], [])
+    for path in paths:
+        try:
+            with open(path, "rb") as fh:
+                r = _row.decode(fh.read())
+        except (OSError, msgspec.DecodeError):
+            c.unreadable += 1
+            continue
+        c.backend.append(r.backend)
+        c.kind.append(r.backend_kind)
+        c.tokens.append(r.completion_tokens)
+        c.truncated.append(r.truncated)
+        c.cost.append(r.cost_usd)
+        c.at.append(r.created_at)
+        c.imported.append(r.worker == IMPORTED_BY)
+    return c
+
+
+def read_columns(store: Store, dataset: str, processes: int | None = None) -> Columns:
+    paths = store.record_files(dataset)
+    n = processes or (min(os.cpu_count() or 1, 8) if len(paths) >= PARALLEL_FROM else 1)
+    if n == 1:
+        return _read(paths)
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+        parts = list(pool.map(_read, [paths[i::n] for i in range(n)]))
+    out = Columns([], [], [], [], [], [], [])
+    for p in parts:
+        for f in ("backend", "kind", "tokens", "truncated", "cost", "at", "imported"):
+            getattr(out, f).extend(getattr(p, f))
+        out.unreadable += p.unreadable
+    return out
+
+
+# -- charts --------------------------------------------------------------------------------------------
+def _figure(height: float = 3.2):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, height), layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _svg(fig) -> str:
+    """The figure as inline SVG: text kept as text (searchable, small), ids stable from run to run."""
+    import matplotlib
+
+    buf = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "draftfleet"}):
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    text = buf.getvalue()
+    return text[text.index("<svg"):]  # inline: without the XML prolog and doctype
+
+
+def _label(backend: str, imported: bool) -> str:
+    return f"{backend} (imported)" if imported else backend
+
+
+def _times(values: list[float], t0: float) -> list[float]:
+    return [(v - t0) / 3600 for v in values]
+
+
+def length_histogram(c: Columns, max_tokens: int | None) -> str:
+    import numpy as np
+
+    fig, ax = _figure()
+    tokens_ = np.asarray(c.tokens)
+    cut = np.asarray(c.truncated)
+    groups = sorted({(b, i) for b, i in zip(c.backend, c.imported)})
+    top = max(max_tokens or 0, int(tokens_.max()) if len(tokens_) else 1)
+    bins = np.linspace(0, top, 61)
+    names = np.asarray([f"{b}\x00{i}" for b, i in zip(c.backend, c.imported)])
+    for b, imp in groups:
+        mask = names == f"{b}\x00{imp}"
+        share = cut[mask].mean() if mask.any() else 0.0
+        ax.hist(tokens_[mask], bins=bins, histtype="step", linewidth=1.5,
+                label=f"{_label(b, imp)}: {int(mask.sum()):,} responses, {100 * share:.1f}% cut at max_tokens")
+    if max_tokens:
+        ax.axvline(max_tokens, color="red", linestyle="--", label=f"max_tokens = {max_tokens:,}")
+    ax.set_xlabel("completion tokens per response")
+    ax.set_ylabel("responses")
+    ax.legend(fontsize="small")
+    return _svg(fig)
+
+
+def _binned_cumulative(at: list[float], values: list[float]) -> tuple[list[float], list[float]]:
+    """The running sum of ``values`` in time order, at most ``MAX_POINTS`` points."""
+    import numpy as np
+
+    if not at:
+        return [], []
+    order = np.argsort(at)
+    t = np.asarray(at)[order]
+    y = np.cumsum(np.asarray(values, dtype=float)[order])
+    if len(t) > MAX_POINTS:
+        idx = np.unique(np.linspace(0, len(t) - 1, MAX_POINTS).astype(int))
+        t, y = t[idx], y[idx]
+    return t.tolist(), y.tolist()
+
+
+def tokens_over_time(c: Columns, events: list, budget: int | None, t0: float) -> str:
+    fig, ax = _figure(3.6)
+    groups = sorted({(b, i) for b, i in zip(c.backend, c.imported)})
+    for b, imp in groups:
+        sel = [k for k in range(len(c.at)) if c.backend[k] == b and c.imported[k] == imp]
+        t, y = _binned_cumulative([c.at[k] for k in sel], [c.tokens[k] for k in sel])
+        ax.step(_times(t, t0), y, where="post", label=_label(b, imp))
+    t, y = _binned_cumulative(c.at, c.tokens)
+    if len(groups) > 1:
+        ax.step(_times(t, t0), y, where="post", color="black", linewidth=1, label="all backends")
+    end = max([*c.at, *(e.at for e in events), t0]) if c.at or events else t0
+    steps = [(e.at, e.budget_tokens) for e in events if e.kind == "budget"]
+    if steps:
+        xs, ys = [], []
+        for at, b in steps:
+            if b is not None:
+                xs.append((at - t0) / 3600)
+                ys.append(b)
+        if xs:
+            ax.step([*xs, (end - t0) / 3600], [*ys, ys[-1]], where="post", color="grey", linestyle="--",
+                    label="budget (as enqueued)")
+    elif budget:
+        ax.axhline(budget, color="grey", linestyle="--", label=f"budget {tokens(budget)}")
+    for e in events:
+        if e.kind == "assign":
+            ax.axvline((e.at - t0) / 3600, color="purple", linestyle=":")
+            ax.annotate(f"{e.note}: {'+'.join(e.assigned or []) or 'nobody'}", ((e.at - t0) / 3600, 0),
+                        xycoords=("data", "axes fraction"), rotation=90, fontsize="small", va="bottom",
+                        ha="right", color="purple")
+    ax.set_xlabel("hours since the first record")
+    ax.set_ylabel("completion tokens (cumulative)")
+    ax.legend(fontsize="small", loc="upper left")
+    return _svg(fig)
+
+
+def spend_over_time(c: Columns, caps: dict[str, float | None], t0: float) -> str | None:
+    clouds = sorted({b for b, k in zip(c.backend, c.kind) if k == "cloud"} | set(caps))
+    if not any(k == "cloud" for k in c.kind):
+        return None
+    fig, ax = _figure()
+    for b in clouds:
+        sel = [k for k in range(len(c.at)) if c.backend[k] == b]
+        t, y = _binned_cumulative([c.at[k] for k in sel], [c.cost[k] for k in sel])
+        if t:
+            ax.step(_times(t, t0), y, where="post", label=f"{b}: ${y[-1]:,.2f}")
+        if caps.get(b) is not None:
+            ax.axhline(caps[b], linestyle="--", color="red", label=f"{b} cap ${caps[b]:,.2f} (all datasets)")
+    ax.set_xlabel("hours since the first record")
+    ax.set_ylabel("USD (cumulative, this dataset)")
+    ax.legend(fontsize="small", loc="upper left")
+    return _svg(fig)
+
+
+def reasons_chart(counts: dict[str, int]) -> str | None:
+    if not counts:
+        return None
+    items = sorted(counts.items(), key=lambda kv: kv[1])
+    fig, ax = _figure(max(1.6, 0.35 * len(items) + 0.8))
+    bars = ax.barh([k for k, _ in items], [v for _, v in items], color="#c44")
+    ax.bar_label(bars, labels=[f"{v:,}" for _, v in items], fontsize="small", padding=2)
+    ax.set_xlabel("count")
+    return _svg(fig)
+
+
+def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, str]:
+    """Captured turns over time (the files' times) against the units, and the bytes they take."""
+    from draftfleet.hidden import HiddenStore
+
+    hidden = HiddenStore(store)
+    m = hidden.manifest(dataset)
+    if m is None:
+        return None, "no hidden-state capture for this dataset"
+    files, ntokens, size = hidden.usage(dataset, m.version)
+    folder = store.root / "_hidden" / dataset / f"v{m.version}"
+    times = sorted(p.stat().st_mtime for p in folder.rglob("*.safetensors"))
+    text = (f"v{m.version} (layers {m.layer_ids}): {files:,} of {units:,} turns captured, {ntokens:,} tokens, "
+            f"{size / 1e9:,.3f} GB" + (f" ({size / ntokens:,.0f} B/token)" if ntokens else ""))
+    if not times:
+        return None, text
+    fig, ax = _figure(2.8)
+    t, y = _binned_cumulative(times, [1.0] * len(times))
+    ax.step(_times(t, times[0]), y, where="post", label="captured turns")
+    ax.axhline(units, color="grey", linestyle="--", label=f"{units:,} record turns")
+    ax.set_xlabel("hours since the first capture")
+    ax.set_ylabel("turns")
+    ax.legend(fontsize="small", loc="upper left")
+    return _svg(fig), text
+
+
+# -- the page ------------------------------------------------------------------------------------------
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 980px; color: #222; }
+h1 { font-size: 1.5em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
+h3 { font-size: 1.05em; margin-bottom: .3em; }
+table { border-collapse: collapse; font-size: .9em; } td, th { padding: .2em .6em; text-align: right; }
+th { border-bottom: 1px solid #999; } td:first-child, th:first-child { text-align: left; }
+.chart svg { width: 100%; height: auto; } .note { color: #666; font-size: .9em; } .stalled { color: #b00; }
+"""
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text))
+
+
+def plan_table(p: DatasetPlan) -> str:
+    rows = []
+    for s in p.sides + ([p.at_once] if p.at_once else []):
+        price = {"local": "local", "not priced": "not priced"}.get(
+            s.price_source, f"{s.usd_per_mtok:,.2f} ({s.price_source})" if s.usd_per_mtok is not None else "-")
+        rows.append("<tr>" + "".join(f"<td>{_e(v)}</td>" for v in (
+            f"{s.backend} ({s.kind})", f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-", s.rate_source, price,
+            duration(s.time_s), "-" if s.cost_usd is None else f"{s.cost_usd:,.2f}",
+            "" if s.kind == "both" else (f"{s.live_workers} live" if p.workers_known else "not known")
+            + ("" if s.assigned else ", not assigned"))) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("to finish on", "tok/s", "rate from", "$/Mtok", "time", "cost $",
+                                               "workers"))
+    cls = ' class="stalled"' if p.stalled else ""
+    return (f"<p{cls}>{_e(headline(p))}</p>"
+            + (f"<table><tr>{head}</tr>{''.join(rows)}</table>" if p.state == "open" and rows else ""))
+
+
+def _chart(title: str, svg: str | None, note: str = "") -> str:
+    body = f'<div class="chart">{svg}</div>' if svg else ""
+    return f"<h3>{_e(title)}</h3>{body}" + (f'<p class="note">{_e(note)}</p>' if note else "")
+
+
+def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budget: int | None,
+                    caps: dict[str, float | None], plan: DatasetPlan | None, events_counts: dict[str, int],
+                    units: int | None = None) -> str:
+    c = read_columns(store, dataset)
+    events = store.events(dataset)
+    t0 = min([*c.at, *(e.at for e in events)], default=time.time())
+    total = sum(c.tokens)
+    cut = sum(c.truncated)
+    summary = (f"{len(c.tokens):,} responses, {total:,} completion tokens"
+               + (f" of a {budget:,} budget ({100 * total / budget:.1f}%)" if budget else "")
+               + f"; {cut:,} cut at max_tokens ({100 * cut / len(c.tokens) if c.tokens else 0:.1f}%)"
+               + (f"; {c.unreadable:,} record files unreadable" if c.unreadable else ""))
+    parts = [f"<h2>{_e(dataset)}</h2>", f"<p>{_e(summary)}</p>"]
+    if plan is not None:
+        parts.append("<h3>plan: to finish</h3>" + plan_table(plan))
+    if not c.tokens:
+        parts.append('<p class="note">no records yet</p>')
+        return "".join(parts)
+    parts.append(_chart("completion length per backend", length_histogram(c, max_tokens),
+                        "a spike at the red line is answers cut at max_tokens"))
+    parts.append(_chart("tokens over time per backend", tokens_over_time(c, events, budget, t0),
+                        "dotted lines: pivots and drains (the assignment after); dashed: the budget"))
+    spend = spend_over_time(c, caps, t0)
+    parts.append(_chart("cloud spend over time", spend, "" if spend else "no cloud records"))
+    failures: dict[str, int] = {}
+    for f in store.failures(dataset):
+        failures[f"failed: {f.error_kind}"] = failures.get(f"failed: {f.error_kind}", 0) + 1
+    for kind, n in _quarantined(store, dataset).items():
+        failures[f"quarantined: {kind}"] = n
+    for name, n in events_counts.items():
+        if name.startswith(("retry:", "failed:")) and n:
+            failures[f"counted {name}"] = n
+    parts.append(_chart("failures and quarantined lines by reason", reasons_chart(failures),
+                        "" if failures else "none"))
+    svg, note = capture_chart(store, dataset, units if units is not None else len(c.tokens))
+    parts.append(_chart("hidden-state capture", svg, note))
+    return "".join(parts)
+
+
+def _quarantined(store: Store, dataset: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in store.quarantined(dataset):
+        out[e.kind] = out.get(e.kind, 0) + 1
+    return out
+
+
+def build_report(store: Store, datasets: list[dict], title: str = "draftfleet report") -> str:
+    """The whole page; ``datasets``: keyword arguments of :func:`dataset_section` with ``dataset``."""
+    sections = [dataset_section(store, **d) for d in datasets]
+    made = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+            f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
+            f'<p class="note">store {_e(store.root)}, made {_e(made)}: the store is the truth; pivots and budget '
+            "changes from its log; retries from the fleet's counters when Redis was at hand</p>"
+            + "".join(sections) + "</body></html>\n")
+
+
+def write_report(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,244 @@
+"""``draftfleet plan``: the seed's pivot arithmetic computed, and an ETA only from live workers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgspec
+
+from draftfleet import redis_keys as rk
+from draftfleet.assign import assign
+from draftfleet.identity import prompt_key
+from draftfleet.ledger import Ledger
+from draftfleet.producer.enqueue import prompt_messages
+from draftfleet.producer.readers import read_prompts
+from draftfleet.schemas.config import load_config
+from draftfleet.schemas.records import Message, ResponseRecord, Usage, WorkerReport
+from draftfleet.store import Store
+from draftfleet.views.plan import BackendMeasure, plan_dataset
+from draftfleet.views.status import render, snapshot
+
+from tests.conftest import run_cli, write_jsonl
+
+SEED_RESPONSES, SEED_TOKENS, SEED_BUDGET, GPU_TPS = 1746, 5_741_932, 10_000_000, 90.0
+SEED_LEFT = SEED_BUDGET - SEED_TOKENS  # 4,258,068: "~4.3M more to hit the 10M budget"
+
+
+def seed_config(tmp_path, tokenizer_dir, prompts: int = 5000):
+    data = write_jsonl(tmp_path / "magicoder.jsonl", [{"prompt": f"write function number {i}"} for i in range(prompts)])
+    path = tmp_path / "fleet.toml"
+    path.write_text(f"""
+[fleet]
+store = "{tmp_path / 'store'}"
+model = "moonshotai/Kimi-K2.5"
+tokenizer = "{tokenizer_dir}"
+
+[[datasets]]
+name = "B3_magicoder"
+path = "{data}"
+budget_tokens = {SEED_BUDGET}
+max_tokens = 8192
+
+[backends.sglang]
+urls = ["http://127.0.0.1:9"]
+
+[backends.openrouter]
+base_url = "http://127.0.0.1:9/v1"
+model = "moonshotai/kimi-k2.5"
+api_key_env = "OPENROUTER_API_KEY"
+price_input_per_mtok = 0.0
+price_output_per_mtok = 2.5
+max_spend_usd = 20.0
+""")
+    return path
+
+
+def record(key: str, dataset: str, n_tokens: int, *, backend="sglang", kind="gpu", created_at: float, latency_s: float,
+           cost_usd=0.0, cost_source="none", worker="gpu-0") -> ResponseRecord:
+    return ResponseRecord(
+        key=key, dataset=dataset, source="magicoder.jsonl:1", settings_id="s", messages=[Message(role="user", content="p")],
+        system_prompt_used=False, text="t", output_ids=[5] * n_tokens, prompt_tokens=50, completion_tokens=n_tokens,
+        finish_reason="stop", truncated=False, backend=backend, backend_kind=kind,
+        model="m", token_source="exact" if kind == "gpu" else "retokenized", usage=Usage(), cost_usd=cost_usd,
+        cost_source=cost_source, latency_s=latency_s, attempts=1, worker=worker, created_at=created_at)
+
+
+def seed_records(cfg, ended_at: float) -> list[ResponseRecord]:
+    """The seed's B3: 1,746 responses, 5,741,932 tokens, made one at a time at 90 tok/s (the GPUs'
+    single stream), under the keys of the dataset file's first 1,746 prompts."""
+    ds = cfg.dataset("B3_magicoder")
+    settings = ds.settings(cfg.fleet.model)
+    keys = [prompt_key(ds.name, prompt_messages(ds, row), settings) for row in read_prompts(ds)][:SEED_RESPONSES]
+    base, extra = divmod(SEED_TOKENS, SEED_RESPONSES)
+    lengths = [base + (i < extra) for i in range(SEED_RESPONSES)]
+    t = ended_at - SEED_TOKENS / GPU_TPS
+    out = []
+    for key, n in zip(keys, lengths):
+        t += n / GPU_TPS
+        out.append(record(key, ds.name, n, created_at=t, latency_s=n / GPU_TPS))
+    return out
+
+
+def test_plan_reproduces_the_seeds_arithmetic(tmp_path, redis_server, tokenizer_dir):
+    """The seed's hand arithmetic, from a store shaped like its B3 (1,746 responses, 5.74M tokens,
+    budget 10M), its GPUs at 90 tok/s and a cloud at $2.5/Mtok: ~4.26M tokens left, ~13 h on the
+    GPUs, ~$10.6 on the cloud (configured price: nothing measured there yet)."""
+    config = seed_config(tmp_path, tokenizer_dir)
+    cfg = load_config(config)
+    store = Store(cfg.fleet.store)
+    for rec in seed_records(cfg, ended_at=time.time() - 3600):  # stopped an hour ago: the window is empty
+        assert store.put(rec)
+    cp = run_cli("plan", "--config", str(config), "--redis-url", redis_server.url, "--json")
+    assert cp.returncode == 0, cp.stderr
+    (plan,) = json.loads(cp.stdout)
+    assert plan["remaining_tokens"] == SEED_LEFT and plan["prompts_left"] == 5000 - SEED_RESPONSES
+    gpu, cloud = plan["sides"]
+    assert (gpu["backend"], gpu["rate_source"], gpu["price_source"]) == ("sglang", "run's mean", "local")
+    assert abs(gpu["tokens_per_s"] - GPU_TPS) < 0.5
+    assert abs(gpu["time_s"] / 3600 - 13.1) < 0.1 and gpu["cost_usd"] == 0  # 4,258,068 / 90 s = 13.14 h
+    assert (cloud["backend"], cloud["price_source"], cloud["usd_per_mtok"]) == ("openrouter", "configured", 2.5)
+    assert cloud["cost_usd"] == 10.65 and cloud["time_s"] is None and cloud["rate_source"] == "not measured"
+    assert plan["eta_s"] is None and plan["stalled"] == "no live cloud or gpu worker"
+
+    cp = run_cli("plan", "--config", str(config), "--redis-url", redis_server.url)
+    assert cp.returncode == 0, cp.stderr
+    text = " ".join(cp.stdout.split())
+    assert "4.26M tokens left of a 10.00M budget" in text and "stalled: no live cloud or gpu worker" in text
+    assert "13h08m" in text and "10.65" in text and "$2.50/Mtok configured" in text, cp.stdout
+
+    # status computes the same plan from Redis alone (the ledger's counters and busy time)
+    r = redis_server.client()
+    ledger = Ledger(r)
+    for rec in sorted(store.records("B3_magicoder"), key=lambda rec: rec.created_at):  # counted as they end
+        assert ledger.count(rec, now=rec.created_at)
+    r.rpush(rk.queue("B3_magicoder"), *([b"{}"] * (5000 - SEED_RESPONSES)))
+    snap = snapshot(cfg, r, ["B3_magicoder"])
+    (p,) = snap.plans
+    assert p.remaining_tokens == SEED_LEFT and abs(p.sides[0].tokens_per_s - GPU_TPS) < 0.5
+    assert p.sides[0].rate_source == "run's mean" and p.sides[1].cost_usd == 10.65
+    assert snap.datasets[0].eta_s is None and snap.datasets[0].stalled == "no live cloud or gpu worker"
+
+
+def test_measured_cloud_price_and_both_sides_at_once():
+    """A cloud's price is measured from the provider's own reported cost once it has some (prompt
+    tokens included), and both sides together finish sooner, paying only for the cloud's share."""
+    measures = [BackendMeasure(backend="sglang", kind="gpu", window_tps=90.0, producing=True),
+                BackendMeasure(backend="openrouter", kind="cloud", window_tps=2000.0, producing=True,
+                               provider_tokens=1_000_000, provider_cost_usd=2.5, configured_usd_per_mtok=9.0)]
+    p = plan_dataset("B3", responses=SEED_RESPONSES, completion_tokens=SEED_TOKENS, budget_tokens=SEED_BUDGET,
+                     prompts_left=None, measures=measures, assigned={"gpu", "cloud"}, workers_known=False)
+    gpu, cloud = p.sides
+    assert (cloud.usd_per_mtok, cloud.price_source, cloud.cost_usd) == (2.5, "measured", 10.65)
+    assert cloud.time_s == round(SEED_LEFT / 2000) and gpu.time_s == round(SEED_LEFT / 90)
+    both = p.at_once
+    assert both.tokens_per_s == 2090.0 and both.time_s == round(SEED_LEFT / 2090)
+    assert both.cost_usd == round(SEED_LEFT * 2000 / 2090 * 2.5 / 1e6, 2)
+    assert p.eta_s is None and p.stalled is None  # no worker reports read: neither an ETA nor a stall
+
+
+def _report(r, hostname: str, kind: str, backend: str, datasets: list[str], paused: str | None = None) -> None:
+    w = WorkerReport(hostname=hostname, kind=kind, backend=backend, datasets=datasets, follows=datasets,
+                     paused=paused, at=time.time())
+    r.set(rk.worker_report(hostname), msgspec.json.encode(w), ex=60)
+
+
+def _running_seed(tmp_path, redis_server, tokenizer_dir):
+    """A fleet whose GPU made 12,000 tokens over the last two minutes; 100 prompts queued."""
+    cfg = load_config(seed_config(tmp_path, tokenizer_dir, prompts=10))
+    r = redis_server.client()
+    ledger = Ledger(r)
+    now = time.time()
+    for i in range(12):
+        rec = record(f"{i:064x}", "B3_magicoder", 1000, created_at=now - 120 + i * 10, latency_s=10.0)
+        assert ledger.count(rec, now=rec.created_at)
+    r.rpush(rk.queue("B3_magicoder"), *([b"{}"] * 100))
+    return cfg, r
+
+
+def test_no_live_worker_no_eta(tmp_path, redis_server, tokenizer_dir):
+    """Every worker stopped: the tokens of the last minutes are no ETA (it said ``ETA 8m20s`` over an
+    empty workers table); status says the dataset is stalled, and why."""
+    cfg, r = _running_seed(tmp_path, redis_server, tokenizer_dir)
+    d = snapshot(cfg, r, ["B3_magicoder"]).datasets[0]
+    assert d.tps_10m > 0 and d.eta_s is None and d.stalled == "no live cloud or gpu worker"
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
+    console.print(render(snapshot(cfg, r, ["B3_magicoder"])))
+    text = console.export_text()
+    assert "stalled" in text and "no live cloud or gpu worker" in text
+
+    _report(r, "gpu-0", "gpu", "sglang", ["B3_magicoder"])
+    d = snapshot(cfg, r, ["B3_magicoder"]).datasets[0]
+    assert d.stalled is None and d.eta_s is not None
+    assert abs(d.eta_s - 100_000 / d.tps_10m) <= 1  # 100 prompts of 1,000 tokens at the GPU's rate
+
+    _report(r, "gpu-0", "gpu", "sglang", ["B3_magicoder"], paused="payment_required")
+    d = snapshot(cfg, r, ["B3_magicoder"]).datasets[0]
+    assert d.eta_s is None and d.stalled  # a paused worker takes nothing
+
+
+def test_after_a_pivot_the_eta_is_the_clouds(tmp_path, redis_server, tokenizer_dir):
+    """Pivoted to the cloud: the GPU's earlier rate is no part of the ETA (its worker still reports,
+    drained); with no live cloud worker the dataset is stalled, and pivot warns of it."""
+    cfg, r = _running_seed(tmp_path, redis_server, tokenizer_dir)
+    _report(r, "gpu-0", "gpu", "sglang", [])  # drained: allowed nothing
+    assign(r, "B3_magicoder", {"cloud"})
+    d = snapshot(cfg, r, ["B3_magicoder"]).datasets[0]
+    assert d.eta_s is None and d.stalled == "no live cloud worker"
+
+    _report(r, "cloud-0", "cloud", "openrouter", ["B3_magicoder"])
+    ledger, now = Ledger(r), time.time()
+    for i in range(6):  # the cloud: 6,000 tokens over the last minute
+        rec = record(f"{100 + i:064x}", "B3_magicoder", 1000, backend="openrouter", kind="cloud",
+                     created_at=now - 55 + i * 10, latency_s=5.0, cost_usd=0.0025, cost_source="provider")
+        assert ledger.count(rec, now=rec.created_at)
+    snap = snapshot(cfg, r, ["B3_magicoder"])
+    (p,) = snap.plans
+    cloud = next(s for s in p.sides if s.backend == "openrouter")
+    assert cloud.live_workers == 1 and cloud.price_source == "measured" and cloud.usd_per_mtok == 2.5
+    assert snap.datasets[0].eta_s == round(p.remaining_tokens / cloud.tokens_per_s)  # the cloud's rate alone
+
+
+def test_pivot_warns_when_no_live_worker_of_the_target_kind(tmp_path, redis_server, tokenizer_dir):
+    """``pivot --dry-run`` changes nothing and prints the plan; a pivot to a kind no live worker
+    serves says so (a paused one says why)."""
+    config = seed_config(tmp_path, tokenizer_dir, prompts=10)
+    r = redis_server.client()
+    assign(r, "B3_magicoder", {"gpu"})
+    cp = run_cli("pivot", "--to", "cloud", "--dry-run", "--config", str(config), "--redis-url", redis_server.url)
+    assert cp.returncode == 0, cp.stderr
+    assert "dry run" in cp.stdout and "B3_magicoder: gpu" in cp.stdout and "tokens left" in cp.stdout
+    assert "no live cloud worker takes B3_magicoder" in " ".join(cp.stderr.split())
+    assert {m.decode() for m in r.smembers(rk.assignment("B3_magicoder"))} == {"gpu"}  # unchanged
+
+    _report(r, "cloud-0", "cloud", "openrouter", ["B3_magicoder"], paused="payment_required")
+    cp = run_cli("pivot", "--to", "cloud", "--config", str(config), "--redis-url", redis_server.url, "--timeout", "5")
+    assert cp.returncode == 0, cp.stderr
+    assert "cloud-0 paused: payment_required" in " ".join(cp.stderr.split())
+    assert {m.decode() for m in r.smembers(rk.assignment("B3_magicoder"))} == {"cloud"}
+
+    _report(r, "cloud-0", "cloud", "openrouter", ["B3_magicoder"])
+    cp = run_cli("pivot", "--to", "cloud", "--config", str(config), "--redis-url", redis_server.url, "--timeout", "5")
+    assert cp.returncode == 0 and "warning" not in cp.stderr, cp.stderr
+
+
+def test_imported_records_are_no_backends_rate(tmp_path, redis_server):
+    """Records brought in by import (or counted late by the reconciler) fill no rate bucket and no
+    busy time: a seed-shaped import showed ``tps_1m`` 11,737 and ``eta_s`` 48 with 4.2M tokens left."""
+    from draftfleet.reconcile import Reconciler
+
+    r = redis_server.client()
+    ledger = Ledger(r)
+    store = Store(tmp_path / "store")
+    now = time.time()
+    recs = [record(f"{i:064x}", "B3", 3288, created_at=now, latency_s=0.0, worker="import") for i in range(20)]
+    for rec in recs[:10]:
+        assert store.put(rec) and ledger.count(rec, rate=False)
+    for rec in recs[10:]:  # stored, never counted: the reconciler counts them
+        assert store.put(rec)
+    assert Reconciler(store, r).reconcile("B3").newly_counted == 10
+    assert ledger.totals("B3")["sglang"]["completion_tokens"] == 20 * 3288
+    assert ledger.rates("B3", ["sglang"], [60, 600]) == {"sglang": [0.0, 0.0]}
+    assert "busy_ms" not in ledger.totals("B3")["sglang"]

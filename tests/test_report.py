@@ -1,0 +1,100 @@
+"""``draftfleet report``: one self-contained HTML file of charts, checked in a real (headless) Chromium."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from draftfleet.schemas.config import load_config
+from draftfleet.schemas.records import DatasetEvent, FailureRecord, PromptTask, QuarantineEntry
+from draftfleet.store import Store
+
+from tests.conftest import run_cli
+from tests.test_plan import SEED_RESPONSES, record, seed_config, seed_records
+
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOT = Path("/tmp/report-screenshot.png")
+
+
+def pivoted_store(tmp_path, tokenizer_dir):
+    """The seed's B3 made on the GPUs, then pivoted to the cloud, which answered 300 prompts, 155 of
+    them cut at max_tokens (the trial's spike); a failure and two quarantined lines."""
+    config = seed_config(tmp_path, tokenizer_dir)
+    cfg = load_config(config)
+    store = Store(cfg.fleet.store)
+    pivot_at = time.time() - 2 * 3600
+    store.log(DatasetEvent(at=pivot_at - 64_000, dataset="B3_magicoder", kind="budget", budget_tokens=10_000_000,
+                           note="enqueue"))
+    for rec in seed_records(cfg, ended_at=pivot_at):
+        assert store.put(rec)
+    store.log(DatasetEvent(at=pivot_at, dataset="B3_magicoder", kind="assign", assigned=["cloud"], note="pivot"))
+    for i in range(300):
+        n = 8192 if i % 2 == 0 or i >= 290 else 1500 + 7 * i  # 150 + 5 = 155 cut
+        rec = record(f"{i:064x}", "B3_magicoder", n, backend="openrouter", kind="cloud",
+                     created_at=pivot_at + 60 + 12 * i, latency_s=30.0, cost_usd=n * 2.5e-6, cost_source="provider")
+        rec = __import__("msgspec").structs.replace(rec, truncated=n == 8192, finish_reason="length" if n == 8192 else "stop")
+        assert store.put(rec)
+    task = PromptTask(key="f" * 64, dataset="B3_magicoder", source="magicoder.jsonl:9", messages=[],
+                      settings=cfg.dataset("B3_magicoder").settings(cfg.fleet.model), settings_id="s", enqueued_at=0.0)
+    store.put_failure(FailureRecord(key="f" * 64, dataset="B3_magicoder", source="magicoder.jsonl:9", reason="moderation",
+                                    error_kind="moderation", attempts=1, backend="openrouter", worker="cloud-0",
+                                    failed_at=time.time(), task=task))
+    store.quarantine("B3_magicoder", [QuarantineEntry(file="magicoder.jsonl", line=k, field="prompt", kind="bad_json",
+                                                      message="not JSON", raw="{", at=time.time()) for k in (3, 4)])
+    return config
+
+
+def test_report_is_one_self_contained_file(tmp_path, tokenizer_dir):
+    config = pivoted_store(tmp_path, tokenizer_dir)
+    out = tmp_path / "run.html"
+    cp = run_cli("report", "--config", str(config), "--out", str(out))
+    assert cp.returncode == 0, cp.stderr
+    page = out.read_text()
+    assert page.count("<svg") == 4  # lengths, tokens over time, spend, failures (no capture here)
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)  # nothing fetched: no network
+    assert "<script" not in page
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert "1,746" in text or "2,046" in text
+    assert "51.7% cut at max_tokens" in text  # 155 of 300 of the cloud's answers
+    assert "max_tokens = 8,192" in text and "pivot: cloud" in text and "budget (as enqueued)" in text
+    assert "openrouter cap $20.00" in text and "quarantined: bad_json" in text and "failed: moderation" in text
+    assert "tokens left" in text and "13h08m" not in text  # the plan: the GPU's 13 h are for the rest
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs the chromium OS package (.ci/run installs it)")
+def test_report_renders_in_chromium(tmp_path, tokenizer_dir):
+    """The page in a real browser: the DOM it builds holds every chart, the console logs nothing,
+    and the screenshot is not blank."""
+    config = pivoted_store(tmp_path, tokenizer_dir)
+    out = tmp_path / "run.html"
+    assert run_cli("report", "--config", str(config), "--out", str(out)).returncode == 0
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'chromium'}",
+             "--enable-logging=stderr", "--v=0", "--hide-scrollbars"]
+    cp = subprocess.run([*flags, "--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    dom = cp.stdout
+    assert dom.count("<svg") == 4 and dom.count("<path") > 50, dom[:500]
+    for title in ("completion length per backend", "tokens over time per backend", "cloud spend over time",
+                  "failures and quarantined lines by reason"):
+        assert title in dom
+    console = [line for line in cp.stderr.splitlines() if ":CONSOLE" in line]
+    assert console == [], console
+
+    shot = tmp_path / "shot.png"
+    cp = subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1100,2600", out.as_uri()],
+                        capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0 and shot.exists(), cp.stderr[-2000:]
+    assert [line for line in cp.stderr.splitlines() if ":CONSOLE" in line] == []
+    from matplotlib.image import imread
+
+    pixels = imread(shot)
+    dark = (pixels[..., :3].mean(axis=2) < 0.5).mean()
+    assert 0.005 < dark < 0.5  # text and lines drawn on white: neither a blank page nor a black one
+    shutil.copy(shot, SCREENSHOT)
