@@ -2,7 +2,10 @@
 
 A collector reads a status snapshot on every scrape, so the figures are as fresh as Redis:
 tokens, responses and cost per dataset and backend, queue depth, in flight, budget, retries and
-failures by reason, spend per cloud backend, and worker counts by kind.
+failures by reason, spend per cloud backend, worker counts by kind, each backend's tokens/s, and
+the plan (plan.py): tokens left, the time and money to finish on each side, the ETA, stalled.
+``ops/grafana/draftfleet.json`` is a dashboard of these (every expression checked against a scrape
+by ``tests/test_metrics.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,33 @@ class FleetCollector:
         spend = GaugeMetricFamily("draftfleet_spend_usd", "Spend of a cloud backend (USD)", labels=["backend"])
         cap = GaugeMetricFamily("draftfleet_spend_cap_usd", "max_spend_usd of a cloud backend", labels=["backend"])
         workers = GaugeMetricFamily("draftfleet_workers", "Live workers", labels=["kind", "state"])
+        tps = GaugeMetricFamily("draftfleet_backend_tokens_per_second", "Completion tokens/s of a backend on a dataset, "
+                                "over the window (1m, 10m, or the run's age if shorter)", labels=["dataset", "backend", "window"])
+        remaining = GaugeMetricFamily("draftfleet_plan_remaining_tokens", "Tokens left to generate (budget or prompts, "
+                                      "whichever runs out first)", labels=["dataset"])
+        finish_s = GaugeMetricFamily("draftfleet_plan_time_to_finish_seconds", "Time to finish the dataset on one side "
+                                     "at its measured rate (side 'all at once': every measured side)",
+                                     labels=["dataset", "side", "kind"])
+        finish_usd = GaugeMetricFamily("draftfleet_plan_cost_to_finish_usd", "Money to finish the dataset on one side "
+                                       "(measured or configured price; 0 on GPUs)", labels=["dataset", "side", "kind"])
+        eta = GaugeMetricFamily("draftfleet_eta_seconds", "ETA from the live workers of the assigned kinds", labels=["dataset"])
+        stalled = GaugeMetricFamily("draftfleet_stalled", "1 when work is left but no live worker of an assigned kind "
+                                    "takes the dataset", labels=["dataset"])
+        for d in snap.datasets:
+            for b in d.backends:
+                tps.add_metric([d.dataset, b.backend, "1m"], b.tps_1m)
+                tps.add_metric([d.dataset, b.backend, "10m"], b.tps_10m)
+        for p in snap.plans:
+            if p.remaining_tokens is not None:
+                remaining.add_metric([p.dataset], p.remaining_tokens)
+            for side in p.sides + ([p.at_once] if p.at_once else []):
+                if side.time_s is not None:
+                    finish_s.add_metric([p.dataset, side.backend, side.kind], side.time_s)
+                if side.cost_usd is not None:
+                    finish_usd.add_metric([p.dataset, side.backend, side.kind], side.cost_usd)
+            if p.eta_s is not None:
+                eta.add_metric([p.dataset], p.eta_s)
+            stalled.add_metric([p.dataset], 1 if p.stalled else 0)
         for d in snap.datasets:
             for b in d.backends:
                 tokens.add_metric([d.dataset, b.backend], b.completion_tokens)
@@ -54,4 +84,5 @@ class FleetCollector:
             counts[key] = counts.get(key, 0) + 1
         for (kind, state), n in sorted(counts.items()):
             workers.add_metric([kind, state], n)
-        yield from (tokens, responses, cost, depth, inflight, budget, events, spend, cap, workers)
+        yield from (tokens, responses, cost, depth, inflight, budget, events, spend, cap, workers, tps, remaining,
+                    finish_s, finish_usd, eta, stalled)
