@@ -38,6 +38,11 @@ PUBLISH_BATCH = 100
 as 1,000 for a large file, and the first messages reach a waiting worker ~70 ms sooner."""
 
 
+def task_label(dataset: str, source: str) -> str:
+    """A generate task's ``argsrepr``: Flower's task rows show it as the args, so they name the dataset."""
+    return f"[{dataset!r}, {source!r}]"
+
+
 class TaskSender:
     """Publishes generate tasks to one queue as Celery's ``send_task`` does, at under half its cost.
 
@@ -215,7 +220,8 @@ def enqueue_dataset(
                 row_id=item.row_id,
             )
             # The task id is the key: queued keys can then be read from message headers alone.
-            sender.send(key, msgspec.to_builtins(task), argsrepr=f"[{item.source!r}]")
+            # What Flower shows as the task's args: the dataset and the prompt's file:line (its uuid is the key)
+            sender.send(key, msgspec.to_builtins(task), argsrepr=task_label(ds.name, item.source))
             if key in failed:
                 retried.append(key)
             summary.queued += 1

@@ -193,3 +193,29 @@ def test_flower_no_auth_is_explicit_and_loud(tmp_path, redis_server, config, flo
     assert flower.get("/metrics").status_code == 200
     assert flower.stop() == 0
     assert "WITHOUT authentication" in flower.log()
+
+
+def test_flower_task_rows_name_the_dataset_and_format_rejected(tmp_path, redis_server, tokenizer_dir):
+    """What Flower shows as a task's args is the argsrepr enqueue sends: the dataset and the prompt's
+    file:line (the uuid is only the key). A rejected (given back, later succeeded) task's time is a
+    date through Flower's own formatter, not the raw epoch its template prints."""
+    import json
+    import time
+
+    from celery.events.state import Task
+
+    from draftfleet.views.monitor import format_task
+
+    from .conftest import run_cli
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello"}])
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, datasets=[{"name": "B3_magicoder", "path": str(data)}])
+    cp = run_cli("enqueue", "--config", str(config), "--redis-url", redis_server.url, "--json")
+    assert cp.returncode == 0, cp.stderr
+    (body,) = redis_server.client().lrange("draftfleet.B3_magicoder", 0, -1)
+    assert json.loads(body)["headers"]["argsrepr"] == "['B3_magicoder', 'prompts.jsonl:1']"
+
+    at = time.time()
+    task = format_task(Task(uuid="k" * 64, rejected=at, succeeded=at + 5))
+    assert isinstance(task.rejected, str) and time.strftime("%Y-%m-%d", time.gmtime(at)) in task.rejected
+    assert "given back to its queue" in task.rejected and task.succeeded == at + 5

@@ -13,8 +13,11 @@ against Flower 2.x's source:
 - Its control API (shutdown, pool, add/cancel consumer, revoke, apply/send task) is switched off
   here (Flower's ``read_only``) unless asked for: consumers changed behind ``draftfleet``'s back
   are forgotten on restart and ignore the dataset assignment kept in Redis.
-- Flower keeps task history in memory only; its ``/metrics`` has no queue depth (the fleet's own
-  metrics and ``draftfleet status`` read that from Redis).
+- Flower keeps task history in memory only: its counts run from when it started, and a restart
+  loses them (the lasting totals are the store's: ``draftfleet inventory``, ``status``, the
+  reconciler's metrics); its ``/metrics`` has no queue depth (``draftfleet status`` reads Redis).
+- A task's row shows ``args`` as the ``argsrepr`` enqueue gives it: the dataset and the prompt's
+  ``file:line`` (its uuid is the key). ``rejected`` is formatted as a time (:func:`format_task`).
 - Its broker tab (and ``/api/queues/length``) lists only the queues that live workers report
   consuming, falling back to the app's ``task_queues`` when it knows none
   (``BaseHandler.get_active_queue_names``; mher/flower#335, #559): a dataset nobody consumes, just
@@ -35,6 +38,20 @@ from draftfleet.schemas.config import ConfigError, FleetConfig
 log = logging.getLogger("draftfleet.flower")
 
 AUTH_ENV = "FLOWER_BASIC_AUTH"
+
+
+def format_task(task):
+    """Flower's ``format_task`` hook: a task's ``rejected`` time as a date, like its other times.
+
+    A fleet task is rejected (``Reject(requeue=True)``: a pause, a drain, a hand-back, admission
+    waiting) and later succeeds on the same or another worker under the same id, so Flower's page
+    shows both; its template formats only sent, received, started, succeeded, retried, failed and
+    revoked as times, and printed ``rejected`` as a raw epoch (Flower 2.2's ``task.html``)."""
+    from flower.utils.template import humanize
+
+    if isinstance(getattr(task, "rejected", None), (int, float)):
+        task.rejected = humanize(task.rejected, type="time") + " (rejected: given back to its queue)"
+    return task
 
 
 def basic_auth_from_env(name: str) -> list[str]:
@@ -104,6 +121,7 @@ def run_flower(
     options.basic_auth = list(basic_auth or [])
     options.read_only = not allow_control
     options.debug = False  # debug would log Flower's settings, cookie secret included
+    options.format_task = format_task
     extract_settings()
     setup_logging()
 
