@@ -15,16 +15,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import admission, enqueue, inventory, overhead, readers, report, retokenize, saturation, vllm
+from . import admission, enqueue, html_report, inventory, overhead, readers, report, retokenize, saturation, vllm
 from .env import REPO, Section, fresh_dir, machine
 
-NAMES = ("saturation", "vllm", "overhead", "inventory", "retokenize", "enqueue", "admission", "readers")
+NAMES = ("saturation", "vllm", "overhead", "inventory", "report", "retokenize", "enqueue", "admission", "readers")
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
     "vllm": ("vllm_concurrency", "vllm_warmup", "vllm_window", "vllm_max_tokens", "vllm_prompts", "vllm_repeats"),
     "overhead": ("overhead_tasks", "overhead_inflight"),
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
+    "report": ("report_records", "repeats"),
     "retokenize": ("retok_answers", "retok_mean", "retok_batch", "repeats"),
     "enqueue": ("enqueue_prompts",),
     "admission": ("admission_inflight", "admission_rounds", "admission_baseline"),
@@ -67,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("inventory")
     g.add_argument("--inventory-b3", type=_size, default=(1746, 3288.0), help="RESPONSES:MEAN_TOKENS, the seed's B3")
     g.add_argument("--inventory-large", type=_size, default=(100_000, 300.0), help="RESPONSES:MEAN_TOKENS")
+    g = p.add_argument_group("report")
+    g.add_argument("--report-records", type=_size, default=(100_000, 300.0), help="RESPONSES:MEAN_TOKENS")
     g = p.add_argument_group("retokenize")
     g.add_argument("--retok-answers", type=int, default=2000)
     g.add_argument("--retok-mean", type=float, default=600.0, help="mean tokens per answer")
@@ -113,6 +116,9 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
     if name == "inventory":
         sizes = [("b3", *args.inventory_b3), ("large", *args.inventory_large)]
         return inventory.run(folder, sizes=sizes, repeats=args.repeats)
+    if name == "report":
+        return html_report.run(folder, responses=args.report_records[0], mean_tokens=args.report_records[1],
+                               repeats=args.repeats)
     if name == "retokenize":
         return retokenize.run(folder, n=args.retok_answers, mean_tokens=args.retok_mean, batch=args.retok_batch,
                               repeats=args.repeats)

@@ -13,6 +13,7 @@ from .conftest import REPO
 SMALLEST = {
     "enqueue": ["--enqueue-prompts", "40"],
     "inventory": ["--inventory-b3", "20:50", "--inventory-large", "50:20", "--repeats", "1"],
+    "report": ["--report-records", "50:20", "--repeats", "1"],
     "retokenize": ["--retok-answers", "20", "--retok-mean", "30", "--retok-batch", "8", "--repeats", "1"],
     "admission": ["--admission-inflight", "10", "--admission-rounds", "20"],
     "readers": ["--readers-rows", "50", "--repeats", "1"],
