@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
+
+from draftfleet.hidden import HiddenStore, encode_safetensors
 from draftfleet.schemas.config import load_config
-from draftfleet.schemas.records import DatasetEvent, FailureRecord, PromptTask, QuarantineEntry
+from draftfleet.schemas.records import CaptureManifest, DatasetEvent, FailureRecord, PromptTask, QuarantineEntry
 from draftfleet.store import Store
 
 from tests.conftest import run_cli
@@ -47,6 +50,14 @@ def pivoted_store(tmp_path, tokenizer_dir):
                                     failed_at=time.time(), task=task))
     store.quarantine("B3_magicoder", [QuarantineEntry(file="magicoder.jsonl", line=k, field="prompt", kind="bad_json",
                                                       message="not JSON", raw="{", at=time.time()) for k in (3, 4)])
+    hidden = HiddenStore(store)  # 40 of the 2,046 record turns captured
+    hidden.write_manifest(CaptureManifest(dataset="B3_magicoder", version=1, model="m", model_config_sha256="0" * 64,
+                                          num_layers=8, hidden_size=4, layer_ids=[2, 4, 5, 8], created_at=time.time()))
+    for i in range(40):
+        ids = np.arange(10, dtype=np.int64)
+        states = np.zeros((10, 4, 4), dtype=np.uint16)
+        hidden.put("B3_magicoder", 1, f"{i:064x}", 0, encode_safetensors(
+            {"token_ids": ("I64", ids), "hidden_states": ("BF16", states)}, {"format": "pt"}))
     return config
 
 
@@ -56,7 +67,7 @@ def test_report_is_one_self_contained_file(tmp_path, tokenizer_dir):
     cp = run_cli("report", "--config", str(config), "--out", str(out))
     assert cp.returncode == 0, cp.stderr
     page = out.read_text()
-    assert page.count("<svg") == 4  # lengths, tokens over time, spend, failures (no capture here)
+    assert page.count("<svg") == 5  # lengths, tokens over time, spend, failures, capture
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)  # nothing fetched: no network
     assert "<script" not in page
     text = re.sub(r"<[^>]+>", " ", page)
@@ -65,6 +76,7 @@ def test_report_is_one_self_contained_file(tmp_path, tokenizer_dir):
     assert "max_tokens = 8,192" in text and "pivot: cloud" in text and "budget (as enqueued)" in text
     assert "openrouter cap $20.00" in text and "quarantined: bad_json" in text and "failed: moderation" in text
     assert "tokens left" in text and "13h08m" not in text  # the plan: the GPU's 13 h are for the rest
+    assert "40 of 2,046 turns captured, 400 tokens" in text
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs the chromium OS package (.ci/run installs it)")
@@ -80,15 +92,15 @@ def test_report_renders_in_chromium(tmp_path, tokenizer_dir):
     cp = subprocess.run([*flags, "--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120)
     assert cp.returncode == 0, cp.stderr[-2000:]
     dom = cp.stdout
-    assert dom.count("<svg") == 4 and dom.count("<path") > 50, dom[:500]
+    assert dom.count("<svg") == 5 and dom.count("<path") > 50, dom[:500]
     for title in ("completion length per backend", "tokens over time per backend", "cloud spend over time",
-                  "failures and quarantined lines by reason"):
+                  "failures and quarantined lines by reason", "hidden-state capture"):
         assert title in dom
     console = [line for line in cp.stderr.splitlines() if ":CONSOLE" in line]
     assert console == [], console
 
     shot = tmp_path / "shot.png"
-    cp = subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1100,2600", out.as_uri()],
+    cp = subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1100,3000", out.as_uri()],
                         capture_output=True, text=True, timeout=120)
     assert cp.returncode == 0 and shot.exists(), cp.stderr[-2000:]
     assert [line for line in cp.stderr.splitlines() if ":CONSOLE" in line] == []

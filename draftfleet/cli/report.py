@@ -10,8 +10,8 @@ def cmd_report(args) -> int:
     from draftfleet.cli.plan import fleet_redis
     from draftfleet.ledger import Ledger
     from draftfleet.store import Store
-    from draftfleet.views.inventory import run_inventory
-    from draftfleet.views.plan import plan_from_inventory
+    from draftfleet.views.inventory import dataset_keys
+    from draftfleet.views.plan import plan_from_store
     from draftfleet.views.report import build_report, write_report
 
     cfg, root = config_or_store(args)
@@ -20,16 +20,18 @@ def cmd_report(args) -> int:
     r = fleet_redis(args, cfg)
     budgets = live_budgets(cfg, r) if cfg is not None and r is not None else {}
     caps = {n: c.max_spend_usd for n, c in cfg.clouds.items()} if cfg else {}
+    configured = {d.name: d for d in cfg.datasets} if cfg else {}
     sections = []
-    for inv in run_inventory(root, cfg, names, None, 0):
-        manifest = store.manifest(inv.dataset)
-        max_tokens = manifest.settings.max_tokens if manifest else None
-        if cfg is not None and any(d.name == inv.dataset for d in cfg.datasets):
-            max_tokens = cfg.dataset(inv.dataset).max_tokens
+    for name in names:
+        manifest = store.manifest(name)
+        ds = configured.get(name)
+        settings = manifest.settings if manifest else (ds.settings(cfg.fleet.model) if ds else None)
+        budget = budgets.get(name, ds.budget_tokens if ds else manifest.budget_tokens if manifest else None)
         sections.append({
-            "dataset": inv.dataset, "max_tokens": max_tokens, "budget": budgets.get(inv.dataset, inv.budget_tokens),
-            "caps": caps, "plan": plan_from_inventory(cfg, inv, r), "units": inv.turns,
-            "events_counts": Ledger(r).events(inv.dataset) if r is not None else {},
+            "dataset": name, "max_tokens": ds.max_tokens if ds else settings.max_tokens if settings else None,
+            "budget": budget, "caps": caps, "plan": lambda figures: plan_from_store(cfg, figures, r),
+            "events_counts": Ledger(r).events(name) if r is not None else {},
+            "prompt_keys": dataset_keys(ds, settings) if ds and settings else None,
         })
     path = write_report(args.out, build_report(store, sections))
     err.print(f"report: {path} ({len(sections)} dataset(s))", highlight=False)

@@ -30,7 +30,7 @@ from draftfleet.schemas.records import IMPORTED_BY, GenerationSettings, Response
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.versions import Selection, select
-from draftfleet.views.plan import DatasetPlan
+from draftfleet.views.plan import Activity, DatasetPlan, busy_seconds
 
 _decode = msgspec.json.Decoder(ResponseRecord).decode
 _msg_encoder = msgspec.json.Encoder()
@@ -82,29 +82,6 @@ class HiddenInventory(msgspec.Struct, kw_only=True):
     dtype: str = "bfloat16"
     bytes_per_token: float = 0.0  # what the files hold a token (the dtype's figure while there are none)
     projected_bytes: int = 0  # what the turns not captured yet and the budget left will take, in this dtype
-
-
-class Activity(msgspec.Struct, kw_only=True):
-    """How a backend worked on a dataset, for the plan: its busy time (the union of its requests'
-    intervals, ``created_at - latency_s`` to ``created_at``) and the tokens made in it, and the
-    provider's own reported cost. Imported records are in no backend's busy time."""
-
-    backend: str
-    kind: str
-    busy_s: float = 0.0
-    busy_tokens: int = 0
-    provider_tokens: int = 0
-    provider_cost_usd: float = 0.0
-
-
-def busy_seconds(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of ``(start, end)`` intervals."""
-    total, until = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > until:
-            total += end - max(start, until)
-            until = end
-    return total
 
 
 class DatasetInventory(msgspec.Struct, kw_only=True):
@@ -350,7 +327,7 @@ def inventory_dataset(
     )
 
 
-def _dataset_keys(ds: DatasetConfig, settings: GenerationSettings) -> set[str] | None:
+def dataset_keys(ds: DatasetConfig, settings: GenerationSettings) -> set[str] | None:
     """The keys of the dataset file's prompts, as enqueue makes them; None if the file is unreadable."""
     keys = set()
     for item in read_prompts(ds):
@@ -386,7 +363,7 @@ def run_inventory(
             ds = cfg.dataset(name)
             budget = ds.budget_tokens
             if chosen.version is None or manifest is None or chosen.version == manifest.version:
-                keys = _dataset_keys(ds, manifest.settings if manifest else ds.settings(cfg.fleet.model))
+                keys = dataset_keys(ds, manifest.settings if manifest else ds.settings(cfg.fleet.model))
         else:
             budget = manifest.budget_tokens if manifest else None
         inv = inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,

@@ -17,8 +17,8 @@ neither paused nor waiting for its server); with none the dataset is ``stalled``
 Records brought in by ``import`` (and counted late by the reconciler) are no backend's rate.
 
 API: :func:`plan_dataset` (pure, from figures) makes a :class:`DatasetPlan`; :func:`plan_from_redis`
-(status, metrics, ``pivot --dry-run``) and :func:`plan_from_inventory` (inventory, report) gather
-the figures; :func:`render_plans` is the rich table every command prints.
+(status, metrics), :func:`plan_from_inventory` (plan, inventory, pivot) and :func:`plan_from_store`
+(report) gather the figures; :func:`render_plans` is the rich table every command prints.
 """
 
 from __future__ import annotations
@@ -45,6 +45,41 @@ if TYPE_CHECKING:
 WINDOW_S = 600
 ENGINES = ("sglang", "vllm")  # the GPU backends' names (a GPU worker's backend is its engine)
 ALL_AT_ONCE = "all at once"
+
+
+class Activity(msgspec.Struct, kw_only=True):
+    """How a backend worked on a dataset, read from the store: its busy time (the union of its
+    requests' intervals, ``created_at - latency_s`` to ``created_at``) and the tokens made in it,
+    and the provider's own reported cost. Imported records are in no backend's busy time."""
+
+    backend: str
+    kind: str
+    busy_s: float = 0.0
+    busy_tokens: int = 0
+    provider_tokens: int = 0
+    provider_cost_usd: float = 0.0
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, until = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > until:
+            total += end - max(start, until)
+            until = end
+    return total
+
+
+class StoreFigures(msgspec.Struct, kw_only=True):
+    """What the plan needs from the store (an inventory's figures, or the report's own read)."""
+
+    dataset: str
+    responses: int
+    completion_tokens: int
+    prompt_tokens: int
+    budget_tokens: int | None
+    prompts_left: int | None
+    activity: list[Activity]
 
 
 class BackendMeasure(msgspec.Struct, kw_only=True):
@@ -228,17 +263,24 @@ def plan_from_redis(cfg: FleetConfig, r: redis.Redis, dataset: str, *, budget_to
 
 
 def plan_from_inventory(cfg: FleetConfig | None, inv: DatasetInventory, r: redis.Redis | None) -> DatasetPlan:
-    """The plan from an inventory (the store: counts, busy time, provider costs), with the ledger's
+    """The plan from an inventory: see :func:`plan_from_store`."""
+    return plan_from_store(cfg, StoreFigures(
+        dataset=inv.dataset, responses=inv.responses, completion_tokens=inv.completion_tokens,
+        prompt_tokens=inv.prompt_tokens, budget_tokens=inv.budget_tokens, prompts_left=inv.prompts_left,
+        activity=inv.activity), r)
+
+
+def plan_from_store(cfg: FleetConfig | None, f: StoreFigures, r: redis.Redis | None) -> DatasetPlan:
+    """The plan from the store's figures (counts, busy time, provider costs), with the ledger's
     recent rates, the worker reports and the assignment when Redis is at hand (``r``)."""
     from draftfleet.views.status import worker_reports
 
     reports = worker_reports(r) if r is not None else []
-    produced = {a.backend: a.kind for a in inv.activity}
-    kinds = _backends(cfg, reports, produced)
+    kinds = _backends(cfg, reports, {a.backend: a.kind for a in f.activity})
     names = sorted(kinds)
-    rates = Ledger(r).rates(inv.dataset, names, [60, WINDOW_S]) if r is not None and names else {}
-    activity = {a.backend: a for a in inv.activity}
-    ratio = inv.prompt_tokens / inv.completion_tokens if inv.completion_tokens else 0.0
+    rates = Ledger(r).rates(f.dataset, names, [60, WINDOW_S]) if r is not None and names else {}
+    activity = {a.backend: a for a in f.activity}
+    ratio = f.prompt_tokens / f.completion_tokens if f.completion_tokens else 0.0
     measures = []
     for name in names:
         a = activity.get(name)
@@ -248,11 +290,11 @@ def plan_from_inventory(cfg: FleetConfig | None, inv: DatasetInventory, r: redis
             run_tps=a.busy_tokens / a.busy_s if a and a.busy_s >= 1 else None,
             provider_tokens=a.provider_tokens if a else 0, provider_cost_usd=a.provider_cost_usd if a else 0.0,
             configured_usd_per_mtok=_configured_price(cfg, name, ratio),
-            live_workers=sum(1 for w in reports if w.backend == name and is_live_on(w, inv.dataset))))
-    closed = Ledger(r).closed_at(inv.dataset) is not None if r is not None else False
-    return plan_dataset(inv.dataset, responses=inv.responses, completion_tokens=inv.completion_tokens,
-                        budget_tokens=inv.budget_tokens, prompts_left=inv.prompts_left, measures=measures,
-                        assigned=kinds_for(r, inv.dataset) if r is not None else {"gpu", "cloud"},
+            live_workers=sum(1 for w in reports if w.backend == name and is_live_on(w, f.dataset))))
+    closed = Ledger(r).closed_at(f.dataset) is not None if r is not None else False
+    return plan_dataset(f.dataset, responses=f.responses, completion_tokens=f.completion_tokens,
+                        budget_tokens=f.budget_tokens, prompts_left=f.prompts_left, measures=measures,
+                        assigned=kinds_for(r, f.dataset) if r is not None else {"gpu", "cloud"},
                         closed=closed, workers_known=r is not None)
 
 

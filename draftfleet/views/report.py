@@ -19,6 +19,7 @@ import io
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import msgspec
 
 from draftfleet.schemas.records import IMPORTED_BY
 from draftfleet.store import Store
-from draftfleet.views.plan import DatasetPlan, duration, headline, tokens
+from draftfleet.views.plan import Activity, DatasetPlan, StoreFigures, busy_seconds, duration, headline, tokens
 
 PARALLEL_FROM = 5000  # record files; below this a process pool costs more than it saves
 MAX_POINTS = 400  # points per time series drawn (binned): the SVG stays small whatever the store holds
@@ -38,10 +39,14 @@ class _Row(msgspec.Struct):
     backend: str
     backend_kind: str
     completion_tokens: int
+    prompt_tokens: int
     truncated: bool
     cost_usd: float
+    cost_source: str
     created_at: float
+    latency_s: float
     worker: str
+    turns: list[msgspec.Raw] = []  # a conversation's turns, left undecoded: only their number is drawn
 
 
 _row = msgspec.json.Decoder(_Row)
@@ -57,11 +62,16 @@ class Columns(msgspec.Struct):
     cost: list[float]
     at: list[float]
     imported: list[bool]
+    keys: list[str]
     unreadable: int = 0
+    units: int = 0  # record turns (a conversation has one per regenerated turn): what capture captures
+    prompt_tokens: int = 0
+    activity: dict[str, Activity] = {}
+    intervals: dict[str, list[tuple[float, float]]] = {}  # backend -> its requests' (start, end), not imported
 
 
 def _read(paths: list[str]) -> Columns:
-    c = Columns([], [], [], [], [], [], [])
+    c = Columns([], [], [], [], [], [], [], [])
     for path in paths:
         try:
             with open(path, "rb") as fh:
@@ -76,6 +86,18 @@ def _read(paths: list[str]) -> Columns:
         c.cost.append(r.cost_usd)
         c.at.append(r.created_at)
         c.imported.append(r.worker == IMPORTED_BY)
+        c.keys.append(os.path.basename(path)[:-5])
+        c.prompt_tokens += r.prompt_tokens
+        c.units += len(r.turns) or 1
+        act = c.activity.get(r.backend)
+        if act is None:
+            act = c.activity[r.backend] = Activity(backend=r.backend, kind=r.backend_kind)
+        if r.worker != IMPORTED_BY:
+            c.intervals.setdefault(r.backend, []).append((r.created_at - r.latency_s, r.created_at))
+            act.busy_tokens += r.completion_tokens
+        if r.cost_source == "provider":
+            act.provider_tokens += r.completion_tokens
+            act.provider_cost_usd += r.cost_usd
     return c
 
 
@@ -86,12 +108,31 @@ def read_columns(store: Store, dataset: str, processes: int | None = None) -> Co
         return _read(paths)
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
         parts = list(pool.map(_read, [paths[i::n] for i in range(n)]))
-    out = Columns([], [], [], [], [], [], [])
+    out = Columns([], [], [], [], [], [], [], [])
     for p in parts:
-        for f in ("backend", "kind", "tokens", "truncated", "cost", "at", "imported"):
+        for f in ("backend", "kind", "tokens", "truncated", "cost", "at", "imported", "keys"):
             getattr(out, f).extend(getattr(p, f))
         out.unreadable += p.unreadable
+        out.prompt_tokens += p.prompt_tokens
+        out.units += p.units
+        for name, act in p.activity.items():
+            acc = out.activity.setdefault(name, Activity(backend=name, kind=act.kind))
+            acc.busy_tokens += act.busy_tokens
+            acc.provider_tokens += act.provider_tokens
+            acc.provider_cost_usd += act.provider_cost_usd
+        for name, spans in p.intervals.items():
+            out.intervals.setdefault(name, []).extend(spans)
     return out
+
+
+def store_figures(c: Columns, dataset: str, budget: int | None, prompt_keys: set[str] | None) -> StoreFigures:
+    """What the plan needs, from the same read (the report reads the store once)."""
+    activity = [msgspec.structs.replace(a, busy_s=busy_seconds(c.intervals.get(a.backend, [])))
+                for a in sorted(c.activity.values(), key=lambda a: a.backend)]
+    return StoreFigures(dataset=dataset, responses=len(c.tokens), completion_tokens=sum(c.tokens),
+                        prompt_tokens=c.prompt_tokens, budget_tokens=budget,
+                        prompts_left=len(prompt_keys - set(c.keys)) if prompt_keys is not None else None,
+                        activity=activity)
 
 
 # -- charts --------------------------------------------------------------------------------------------
@@ -232,8 +273,7 @@ def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, s
     if m is None:
         return None, "no hidden-state capture for this dataset"
     files, ntokens, size = hidden.usage(dataset, m.version)
-    folder = store.root / "_hidden" / dataset / f"v{m.version}"
-    times = sorted(p.stat().st_mtime for p in folder.rglob("*.safetensors"))
+    times = sorted(os.stat(path).st_mtime for _key, _turn, path in hidden.files(dataset, m.version))
     text = (f"v{m.version} (layers {m.layer_ids}): {files:,} of {units:,} turns captured, {ntokens:,} tokens, "
             f"{size / 1e9:,.3f} GB" + (f" ({size / ntokens:,.0f} B/token)" if ntokens else ""))
     if not times:
@@ -286,9 +326,11 @@ def _chart(title: str, svg: str | None, note: str = "") -> str:
 
 
 def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budget: int | None,
-                    caps: dict[str, float | None], plan: DatasetPlan | None, events_counts: dict[str, int],
-                    units: int | None = None) -> str:
+                    caps: dict[str, float | None], plan: Callable[[StoreFigures], DatasetPlan] | None,
+                    events_counts: dict[str, int], prompt_keys: set[str] | None = None) -> str:
+    """One dataset's part of the page; ``plan`` makes its plan from the figures read here."""
     c = read_columns(store, dataset)
+    p = plan(store_figures(c, dataset, budget, prompt_keys)) if plan is not None else None
     events = store.events(dataset)
     t0 = min([*c.at, *(e.at for e in events)], default=time.time())
     total = sum(c.tokens)
@@ -298,8 +340,8 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
                + f"; {cut:,} cut at max_tokens ({100 * cut / len(c.tokens) if c.tokens else 0:.1f}%)"
                + (f"; {c.unreadable:,} record files unreadable" if c.unreadable else ""))
     parts = [f"<h2>{_e(dataset)}</h2>", f"<p>{_e(summary)}</p>"]
-    if plan is not None:
-        parts.append("<h3>plan: to finish</h3>" + plan_table(plan))
+    if p is not None:
+        parts.append("<h3>plan: to finish</h3>" + plan_table(p))
     if not c.tokens:
         parts.append('<p class="note">no records yet</p>')
         return "".join(parts)
@@ -319,7 +361,7 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
             failures[f"counted {name}"] = n
     parts.append(_chart("failures and quarantined lines by reason", reasons_chart(failures),
                         "" if failures else "none"))
-    svg, note = capture_chart(store, dataset, units if units is not None else len(c.tokens))
+    svg, note = capture_chart(store, dataset, c.units)
     parts.append(_chart("hidden-state capture", svg, note))
     return "".join(parts)
 
