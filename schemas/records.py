@@ -194,7 +194,7 @@ class DatasetEvent(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["assign", "budget"]
     assigned: list[str] | None = None
     budget_tokens: int | None = None
-    note: str = ""  # what did it ("pivot --to cloud", "drain --kind gpu", "enqueue")
+    note: str = ""  # the command that did it: pivot, drain or enqueue
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):

@@ -218,6 +218,8 @@ def test_pivot_warns_when_no_live_worker_of_the_target_kind(tmp_path, redis_serv
     assert cp.returncode == 0, cp.stderr
     assert "cloud-0 paused: payment_required" in " ".join(cp.stderr.split())
     assert {m.decode() for m in r.smembers(rk.assignment("B3_magicoder"))} == {"cloud"}
+    (event,) = Store(load_config(config).fleet.store).events("B3_magicoder")  # the report marks it on its timelines
+    assert (event.kind, event.assigned, event.note) == ("assign", ["cloud"], "pivot")
 
     _report(r, "cloud-0", "cloud", "openrouter", ["B3_magicoder"])
     cp = run_cli("pivot", "--to", "cloud", "--config", str(config), "--redis-url", redis_server.url, "--timeout", "5")

@@ -67,7 +67,7 @@ def log_assignment(root, result, what: str) -> None:
 
     store = Store(root)
     for ds, kinds in result.assignment.items():
-        store.log(DatasetEvent(at=time.time(), dataset=ds, kind="assign", assigned=kinds, note=f"{what} ({result.kind} drained)"))
+        store.log(DatasetEvent(at=time.time(), dataset=ds, kind="assign", assigned=kinds, note=what))
 
 
 def _move(args, label: str, run, title: str, warnings: dict[str, str] | None = None) -> int:
