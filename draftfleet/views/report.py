@@ -1,6 +1,6 @@
 """``draftfleet report``: a run that lasts days, as pictures, in one self-contained HTML file.
 
-Per dataset, from the store (the truth): the completion-length histogram of each backend with the
+Per dataset (its current version, as inventory takes it), from the store (the truth): the completion-length histogram of each backend with the
 ``max_tokens`` line and the share cut there; tokens over time per backend with the pivots, the
 budget's changes (the store's log, ``Store.events``) and the budget line; cloud spend over time
 against each cap; failures and quarantined lines by reason (with the ledger's retry and failure
@@ -46,6 +46,7 @@ class _Row(msgspec.Struct):
     created_at: float
     latency_s: float
     worker: str
+    settings_id: str
     turns: list[msgspec.Raw] = []  # a conversation's turns, left undecoded: only their number is drawn
 
 
@@ -70,7 +71,7 @@ class Columns(msgspec.Struct):
     intervals: dict[str, list[tuple[float, float]]] = {}  # backend -> its requests' (start, end), not imported
 
 
-def _read(paths: list[str]) -> Columns:
+def _read(paths: list[str], settings_id: str | None) -> Columns:
     c = Columns([], [], [], [], [], [], [], [])
     for path in paths:
         try:
@@ -79,6 +80,8 @@ def _read(paths: list[str]) -> Columns:
         except (OSError, msgspec.DecodeError):
             c.unreadable += 1
             continue
+        if settings_id is not None and r.settings_id != settings_id:
+            continue  # another version's record
         c.backend.append(r.backend)
         c.kind.append(r.backend_kind)
         c.tokens.append(r.completion_tokens)
@@ -102,12 +105,16 @@ def _read(paths: list[str]) -> Columns:
 
 
 def read_columns(store: Store, dataset: str, processes: int | None = None) -> Columns:
+    """The records of the dataset's current version (``versions.select``), as inventory takes them."""
+    from draftfleet.versions import select
+
     paths = store.record_files(dataset)
+    settings_id = select(store, dataset).settings_id
     n = processes or (min(os.cpu_count() or 1, 8) if len(paths) >= PARALLEL_FROM else 1)
     if n == 1:
-        return _read(paths)
+        return _read(paths, settings_id)
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-        parts = list(pool.map(_read, [paths[i::n] for i in range(n)]))
+        parts = list(pool.map(_read, [paths[i::n] for i in range(n)], [settings_id] * n))
     out = Columns([], [], [], [], [], [], [], [])
     for p in parts:
         for f in ("backend", "kind", "tokens", "truncated", "cost", "at", "imported", "keys"):
