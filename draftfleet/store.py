@@ -47,7 +47,7 @@ from draftfleet.schemas.records import (
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 DIR_MODE = 0o755
 FILE_MODE = 0o444
-APPEND_MODE = 0o644  # the quarantine files, appended to by every enqueue
+APPEND_MODE = 0o644  # the quarantine files and the decision logs, appended to by every enqueue
 MARKER = ".draftfleet-store"
 # What a store made before the marker existed can hold: it is recognised, and marked.
 _FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "_log",
@@ -366,8 +366,9 @@ class Store:
         """Append an operator's decision (a pivot, a drain, a budget) to the dataset's log: one line,
         appended, so that two commands at once cannot lose each other's."""
         p = self.log_path(event.dataset)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        make_dirs(p.parent)
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, APPEND_MODE)
+        os.fchmod(fd, APPEND_MODE)  # a new one was made under the umask
         with os.fdopen(fd, "ab") as fh:
             fh.write(_encoder.encode(event) + b"\n")
 
