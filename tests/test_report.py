@@ -9,9 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
+import msgspec
 import numpy as np
+import pytest
 
 from draftfleet.hidden import HiddenStore, encode_safetensors
 from draftfleet.schemas.config import load_config
@@ -19,7 +19,7 @@ from draftfleet.schemas.records import CaptureManifest, DatasetEvent, FailureRec
 from draftfleet.store import Store
 
 from tests.conftest import run_cli
-from tests.test_plan import SEED_RESPONSES, record, seed_config, seed_records
+from tests.test_plan import record, seed_config, seed_records
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT = Path("/tmp/report-screenshot.png")
@@ -41,7 +41,7 @@ def pivoted_store(tmp_path, tokenizer_dir):
         n = 8192 if i % 2 == 0 or i >= 290 else 1500 + 7 * i  # 150 + 5 = 155 cut
         rec = record(f"{i:064x}", "B3_magicoder", n, backend="openrouter", kind="cloud",
                      created_at=pivot_at + 60 + 12 * i, latency_s=30.0, cost_usd=n * 2.5e-6, cost_source="provider")
-        rec = __import__("msgspec").structs.replace(rec, truncated=n == 8192, finish_reason="length" if n == 8192 else "stop")
+        rec = msgspec.structs.replace(rec, truncated=n == 8192, finish_reason="length" if n == 8192 else "stop")
         assert store.put(rec)
     task = PromptTask(key="f" * 64, dataset="B3_magicoder", source="magicoder.jsonl:9", messages=[],
                       settings=cfg.dataset("B3_magicoder").settings(cfg.fleet.model), settings_id="s", enqueued_at=0.0)
