@@ -31,8 +31,11 @@ def test_the_demo_tells_the_story_and_keeps_the_store(tmp_path):
     chat = inventory["chat"]
     assert chat["closed"] and chat["responses"] < 40  # closed at its budget, the rest skipped
     assert CHAT_BUDGET * 0.85 <= chat["completion_tokens"] <= CHAT_BUDGET * 1.1
-    plan = {p["dataset"]: p for p in report["plan"]}
-    assert all(p["tokens_left"] > 0 and p["gpu_time_s"] > 0 and p["cloud_cost_usd"] > 0 for p in plan.values())
+    for p in report["plan"]:  # draftfleet plan's, before the pivot: the GPU's time, the cloud's price
+        assert p["state"] == "open" and p["remaining_tokens"] > 0, p
+        sides = {side["kind"]: side for side in p["sides"]}
+        assert sides["gpu"]["time_s"] > 0 and sides["gpu"]["cost_usd"] == 0
+        assert sides["cloud"]["usd_per_mtok"] > 0 and sides["cloud"]["price_source"] == "configured"
     assert report["pivot"]["drained"] and report["pivot"]["assignment"] == {"chat": ["cloud"], "instruct": ["cloud"]}
     assert report["cloud"]["cost_usd"] > 0
     store = tmp_path / "demo" / "store"

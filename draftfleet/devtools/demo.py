@@ -5,8 +5,8 @@ The story a run tells, with real parts: the store's embedded private Redis, real
 emulators standing in for a slow local SGLang server and a fast paid OpenRouter.
 
 1. The GPU worker generates both sample datasets, ``chat`` under a token budget it will reach.
-2. The plan: what is left, how long the GPU would take (its measured rate, free) and what the
-   cloud would charge for it (its configured price).
+2. The plan (``draftfleet plan``'s): what is left, how long the GPU would take at its measured
+   rate (free) and what the cloud would charge for it (its configured price).
 3. The pivot: the GPU drains (what it started is stored, what it held goes back to the queue).
 4. The cloud finishes: ``chat`` closes at its budget, ``instruct`` runs out of prompts.
 5. The inventory check: responses and tokens per dataset and side, the validation, then the next
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import msgspec
 from rich.console import Console
-from rich.table import Table
 
 from draftfleet.assign import assign
 from draftfleet.broker import EmbeddedRedis, connect
@@ -34,6 +33,7 @@ from draftfleet.devtools import samples
 from draftfleet.schemas.config import load_config
 from draftfleet.store import Store
 from draftfleet.views import status
+from draftfleet.views.plan import plan_from_redis, render_plans
 
 DEMO_KEY_ENV = "DRAFTFLEET_DEMO_API_KEY"
 CHAT_BUDGET = 2400
@@ -42,15 +42,6 @@ GPU_SHARE = 0.35
 """The share of the prompts the GPU generates before the pivot."""
 GPU_INFLIGHT = 8
 PHASE_S = 25.0  # the longest the GPU phase may take on a slow machine before the pivot anyway
-
-
-class PlanRow(msgspec.Struct, kw_only=True):
-    dataset: str
-    tokens_left: int
-    gpu_tokens_per_s: float
-    gpu_time_s: float | None
-    cloud: str
-    cloud_cost_usd: float | None
 
 
 class InventoryRow(msgspec.Struct, kw_only=True):
@@ -174,10 +165,11 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
             time.sleep(0.25)
         say("   " + "   ".join(_progress(d) for d in snap.datasets))
         # 2. the plan
-        plan = _plan(cfg, snap, time.monotonic() - phase)
-        say("\n[bold]2. The plan[/]: what is left, the GPU's time for it (free) and the cloud's price for it "
-            "(`draftfleet inventory`: cost to finish)")
-        say(_plan_table(plan))
+        reports = status.worker_reports(r)
+        plan = [plan_from_redis(cfg, r, d.dataset, budget_tokens=d.budget_tokens, prompts_left=d.queue_depth + d.held,
+                                reports=reports) for d in snap.datasets]
+        say("\n[bold]2. The plan[/] `draftfleet plan`: what is left, and the time and money to finish it on each side")
+        say(render_plans(plan))
         # 3. the pivot
         from draftfleet.views.pivot import pivot
 
@@ -195,8 +187,8 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
             time.sleep(0.25)
         took = time.monotonic() - cloud_started
         paid = _cloud_spend(st, names) - cost_before
-        planned = sum(p.cloud_cost_usd or 0 for p in plan)
-        say(f"\n[bold]4. The cloud finished[/] in {took:.1f} s for ${paid:.4f} (the plan: ${planned:.4f}): "
+        planned = sum(side.cost_usd or 0 for p in plan for side in p.sides if side.kind == "cloud")
+        say(f"\n[bold]4. The cloud finished[/] in {took:.1f} s for ${paid:.4f} (the plan: ${planned:.2f}): "
             + "; ".join(f"{d.dataset} {'closed at its budget' if d.closed else 'done'}" for d in snap.datasets))
         report = {"plan": msgspec.to_builtins(plan), "pivot": msgspec.to_builtins(result),
                   "cloud": {"seconds": round(took, 1), "cost_usd": round(paid, 6)}}
@@ -252,36 +244,6 @@ def _settled(snap: status.Snapshot, store: Store, queued: dict[str, int]) -> boo
 def _progress(d: status.DatasetRow) -> str:
     budget = f"/{d.budget_tokens:,}" if d.budget_tokens and d.budget_tokens < 100_000 else ""
     return f"{d.dataset}: {d.responses} done, {d.completion_tokens:,}{budget} tokens"
-
-
-def _plan(cfg, snap: status.Snapshot, elapsed_s: float) -> list[PlanRow]:
-    """What is left of each dataset, the GPU's time for it at its rate so far (its tokens over the
-    ``elapsed_s`` it ran) and the cloud's price for it (its configured output price, as the
-    inventory's cost to finish)."""
-    [(cloud_name, cb)] = cfg.clouds.items()
-    rows = []
-    for d in snap.datasets:
-        mean = d.completion_tokens / d.responses if d.responses else 0
-        left = round((d.queue_depth + d.held) * mean)
-        if d.remaining_tokens is not None:
-            left = min(left, d.remaining_tokens)
-        gpu_tps = sum(b.completion_tokens for b in d.backends if b.backend in ("sglang", "vllm")) / elapsed_s
-        cost = left * cb.price_output_per_mtok / 1e6
-        rows.append(PlanRow(dataset=d.dataset, tokens_left=left, gpu_tokens_per_s=round(gpu_tps, 1),
-                            gpu_time_s=round(left / gpu_tps, 1) if gpu_tps else None, cloud=cloud_name,
-                            cloud_cost_usd=round(cost, 6)))
-    return rows
-
-
-def _plan_table(plan: list[PlanRow]) -> Table:
-    t = Table(box=None, padding=(0, 2), pad_edge=False)
-    for col in ("dataset", "tokens left", "GPU: tok/s", "time", "cost", "cloud: cost"):
-        t.add_column(col, justify="left" if col == "dataset" else "right")
-    for p in plan:
-        t.add_row(f"   {p.dataset}", f"{p.tokens_left:,}", f"{p.gpu_tokens_per_s:,.0f}",
-                  f"{p.gpu_time_s:.0f} s" if p.gpu_time_s is not None else "-", "$0",
-                  f"${p.cloud_cost_usd:.4f}" if p.cloud_cost_usd is not None else "-")
-    return t
 
 
 def _cloud_spend(store: Store, names: list[str]) -> float:
