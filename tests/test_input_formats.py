@@ -216,3 +216,39 @@ def test_the_enqueue_summary_fits_without_cutting_a_header(width):
     for word in ("dataset", "(version)", "read", "queued", "now", "stored", "before", "in", "flight", "failed",
                  "dupli-", "cates", "re-", "jected", "999999", "512000", "487999", "123456", "B3_magicoder", "v12"):
         assert word in flat, word
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_the_inventory_table_fits_without_cutting_a_header(tmp_path, width):
+    import time
+
+    from rich.console import Console
+
+    from draftfleet.cli import inventory as cli_inventory
+    from draftfleet.schemas.records import Message, ResponseRecord, Usage
+    from draftfleet.store import Store
+    from draftfleet.views.inventory import run_inventory
+
+    store = Store(tmp_path)
+    for i, (backend, source) in enumerate([("openrouter", "retokenized"), ("sglang", "exact")] * 3):
+        store.put(ResponseRecord(
+            key=f"{i:064x}", dataset="B3_magicoder", source=f"f.jsonl:{i}", settings_id="s",
+            messages=[Message(role="user", content=f"prompt {i}")], system_prompt_used=False, text="t",
+            output_ids=[5] * 900_000, prompt_tokens=7, completion_tokens=900_000, finish_reason="stop",
+            truncated=False, backend=backend, backend_kind="gpu" if source == "exact" else "cloud", model="m",
+            token_source=source, usage=Usage(completion_tokens=899_000), cost_usd=0.0031 if source != "exact" else 0.0,
+            cost_source="provider", latency_s=0.1, attempts=1, worker="w", created_at=time.time()))
+    console = Console(width=width, force_terminal=False)
+    cli_inventory.out, saved = console, cli_inventory.out
+    try:
+        with console.capture() as cap:
+            cli_inventory.print_inventory(run_inventory(tmp_path))
+    finally:
+        cli_inventory.out = saved
+    table = cap.get().split("completion tokens: the target")[0]
+    assert "…" not in table
+    assert max(len(line) for line in table.splitlines()) <= width
+    flat = " ".join(table.split())
+    for word in ("backend", "kind", "token", "source", "responses", "completion", "tokens", "provider's", "count",
+                 "differ-", "ence", "cost", "(USD)", "2,700,000", "+3,000", "0.0093"):
+        assert word in flat, word

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -18,21 +19,31 @@ def with_plans(args, cfg, invs) -> list:
     return [msgspec.structs.replace(inv, plan=p) for inv, p in zip(invs, plans(cfg, invs, fleet_redis(args, cfg)))]
 
 
+def _usd(x: float) -> str:
+    """Cents from a dollar up; below it four decimals, so a small run's spend does not read as 0.00."""
+    return f"{x:,.2f}" if x >= 1 else f"{x:.4f}"
+
+
 def print_inventory(invs) -> None:
     from draftfleet.views.inventory import ROUNDTRIP_MEANING
     from draftfleet.views.plan import render_plans
 
     for inv in invs:
         of = f"version {inv.version}" if inv.version is not None else "every version"
-        table = Table(title=f"inventory: {inv.dataset} ({of})", title_justify="left")
-        for col in ("backend", "kind", "token source", "responses", "completion tokens", "provider's count",
-                    "difference", "cost (USD)"):
-            table.add_column(col, justify="left" if col in ("backend", "kind", "token source") else "right")
+        # Two-line headers and folding names: the table fits 80 columns without cutting a header.
+        table = Table(title=f"inventory: {inv.dataset} ({of})", title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False, padding=(0, 1), collapse_padding=True)
+        for col in ("backend", "kind", "token\nsource", "responses", "completion\ntokens", "provider's\ncount",
+                    "differ-\nence", "cost\n(USD)"):
+            if col in ("backend", "kind", "token\nsource"):
+                table.add_column(col, overflow="fold")
+            else:
+                table.add_column(col, justify="right", no_wrap=True)
         for s in inv.by_source:
             theirs = (f"{s.provider_completion_tokens:,}", f"{s.provider_difference:+,}") if s.provider_responses else ("-", "-")
             table.add_row(s.backend, s.backend_kind, s.token_source, f"{s.responses:,}", f"{s.completion_tokens:,}",
-                          *theirs, f"{s.cost_usd:,.2f}")
-        table.add_row("total", "", "", f"{inv.responses:,}", f"{inv.completion_tokens:,}", "", "", f"{inv.spend_usd:,.2f}")
+                          *theirs, _usd(s.cost_usd))
+        table.add_row("total", "", "", f"{inv.responses:,}", f"{inv.completion_tokens:,}", "", "", _usd(inv.spend_usd))
         out.print(table)
         out.print("completion tokens: the target tokenizer's count (budgets use it); provider's count: the API's own "
                   "usage.completion_tokens (its tokenizer); difference: ours minus theirs", highlight=False)
