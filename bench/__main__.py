@@ -15,14 +15,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import admission, enqueue, html_report, inventory, overhead, readers, report, retokenize, saturation, vllm
+from . import admission, capture, enqueue, html_report, inventory, overhead, readers, report, retokenize, saturation, vllm
 from .env import REPO, Section, fresh_dir, machine
 
-NAMES = ("saturation", "vllm", "overhead", "inventory", "report", "retokenize", "enqueue", "admission", "readers")
+NAMES = ("saturation", "vllm", "capture", "overhead", "inventory", "report", "retokenize", "enqueue", "admission",
+         "readers")
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
     "vllm": ("vllm_concurrency", "vllm_warmup", "vllm_window", "vllm_max_tokens", "vllm_prompts", "vllm_repeats"),
+    "capture": ("capture_concurrency", "capture_warmup", "capture_window", "capture_answer", "capture_units",
+                "capture_alone_units", "capture_repeats"),
     "overhead": ("overhead_tasks", "overhead_inflight"),
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
     "report": ("report_records", "repeats"),
@@ -62,6 +65,14 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--vllm-max-tokens", type=int, default=64)
     g.add_argument("--vllm-prompts", type=int, default=2000)
     g.add_argument("--vllm-repeats", type=int, default=2, help="alternating runs per side (best kept)")
+    g = p.add_argument_group("capture", "hidden-state capture on a real vLLM (CPU build): needs DRAFTFLEET_VLLM_ENV")
+    g.add_argument("--capture-concurrency", type=int, default=16, help="requests in flight on each side")
+    g.add_argument("--capture-warmup", type=float, default=15.0, help="seconds before the steady window")
+    g.add_argument("--capture-window", type=float, default=60.0, help="seconds of the steady window")
+    g.add_argument("--capture-answer", type=int, default=256, help="answer ids per unit (plus a ~40-token prompt)")
+    g.add_argument("--capture-units", type=int, default=1500, help="units available to each side-by-side run")
+    g.add_argument("--capture-alone-units", type=int, default=100, help="units captured to the end, alone")
+    g.add_argument("--capture-repeats", type=int, default=2, help="runs of each kind, alternating")
     g = p.add_argument_group("overhead")
     g.add_argument("--overhead-tasks", type=int, default=2000)
     g.add_argument("--overhead-inflight", type=_ints, default=[16, 128])
@@ -111,6 +122,10 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
     if name == "vllm":
         return vllm.run(folder, concurrency=args.vllm_concurrency, warmup=args.vllm_warmup, window=args.vllm_window,
                         max_tokens=args.vllm_max_tokens, prompts=args.vllm_prompts, repeats=args.vllm_repeats)
+    if name == "capture":
+        return capture.run(folder, concurrency=args.capture_concurrency, warmup=args.capture_warmup,
+                           window=args.capture_window, answer=args.capture_answer, units=args.capture_units,
+                           alone_units=args.capture_alone_units, repeats=args.capture_repeats)
     if name == "overhead":
         return overhead.run(folder, tasks=args.overhead_tasks, inflight=args.overhead_inflight)
     if name == "inventory":

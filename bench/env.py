@@ -244,9 +244,10 @@ def write_config(folder: Path, datasets: Iterable[dict], *, emulator_url: str = 
 
 
 class WorkerProcess:
-    """``draftfleet worker gpu`` as a subprocess, ready once Celery says so in its log."""
+    """``draftfleet worker gpu`` (or ``kind``) as a subprocess, ready once Celery says so in its log."""
 
-    def __init__(self, folder: Path, config: Path, redis_url: str, *args: str):
+    def __init__(self, folder: Path, config: Path, redis_url: str, *args: str, kind: str = "gpu"):
+        self.kind = kind
         self.folder = folder
         self.config = config
         self.redis_url = redis_url
@@ -258,7 +259,7 @@ class WorkerProcess:
         env = {**os.environ, "REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", str(self.config), *self.args],
+                [sys.executable, "-m", "draftfleet", "worker", self.kind, "--config", str(self.config), *self.args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
             )
         return self

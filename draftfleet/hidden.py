@@ -16,8 +16,10 @@ is the residual stream entering decoder layer k and id N the last layer's output
 post-norm last layer is derived from it at export (the norm cannot be undone, so the pre-norm
 state is the one kept). The header metadata names the key, turn and prompt length.
 
-Files are written like records: temp file, fsync, ``link`` (fails if the target exists), so of
-two workers capturing the same unit exactly one file is stored. A version holds one capture
+Files are written once, by the engine's connector, on the store's file system: the worker writes
+the unit's metadata into the room the connector leaves in the header (in place, same length),
+fsyncs, and ``link``s the file to its name (fails if the target exists), so of two workers
+capturing the same unit exactly one file is stored, and the states cross the disk once. A version holds one capture
 setting (model identity, layer ids, dtype); other settings need a new version (``--new-version``).
 
 safetensors is written and read here with numpy: numpy has no bfloat16, so bf16 tensors travel
@@ -54,6 +56,8 @@ _DTYPES = {"BF16": np.uint16, "F8_E4M3": np.uint8, "I64": np.int64, "F32": np.fl
            "F16": np.float16}
 DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}  # [capture] dtype -> the manifest's (torch's name)
 SCALES = "hidden_states_scales"  # hs-connectors' name of the fp8 files' per-token scales
+ROOM_KEY = "header_room"  # the connector's metadata entry of spaces the worker writes the unit's metadata over
+HEADER_ROOM = 1024  # bytes of it: the unit's metadata takes ~300
 _manifest_decoder = msgspec.json.Decoder(CaptureManifest)
 # Where transformers checkpoints keep the final norm (text models; multimodal ones such as Kimi-K2.5)
 FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
@@ -136,6 +140,21 @@ def capture_settings(cfg: FleetConfig) -> tuple[TargetModel, list[int]]:
 def storage_path(cfg: FleetConfig) -> str:
     """Where the engine's connector writes each request's file (the worker moves it into the store)."""
     return cfg.capture.storage_path or str(Path(cfg.fleet.store) / HIDDEN_DIR / "_incoming")
+
+
+def check_storage(cfg: FleetConfig, storage: str | Path) -> None:
+    """Refuse an engine storage folder on another file system than the store (its files are linked
+    into the store, never copied) unless ``[capture] copy``."""
+    folder = Path(storage)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        same = os.stat(folder).st_dev == os.stat(cfg.fleet.store).st_dev
+    except OSError as exc:
+        raise CaptureError(f"{folder}: cannot use it as the engine's storage_path ({exc.strerror or exc})") from None
+    if not same and not cfg.capture.copy:
+        raise CaptureError(f"{cfg.path}: [capture] storage_path {folder} is on another file system than the store "
+                           f"{cfg.fleet.store}: each file would be written twice. Put it on the store's file system "
+                           "(the default is <store>/_hidden/_incoming), or set [capture] copy = true")
 
 
 def record_units(rec: ResponseRecord, tok: TargetTokenizer) -> list[tuple[list[int], int]]:
@@ -274,6 +293,30 @@ def read_safetensors(path: str | Path, names: tuple[str, ...] | None = None, *, 
     meta = header.pop("__metadata__", None) or {}
     return {name: (info["dtype"], _read_tensor(fh, info, offset)) for name, info in header.items()
             if names is None or name in names}, meta
+
+
+def rewrite_metadata(path: str | Path, metadata: dict[str, str]) -> bool:
+    """Put ``metadata`` in the file's header in place, in the room the connector left there (its
+    ``header_room`` entry), and fsync the file; False when it does not fit (nothing written). The
+    header keeps its length, so every tensor stays where it is."""
+    with os.fdopen(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+b") as fh:  # a link put in its place is refused
+        head = fh.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+        if not 0 < n <= 100_000_000:
+            raise ValueError(f"{path}: not a safetensors file")
+        header = json.loads(fh.read(n))
+        old = header.get("__metadata__") or {}
+        if ROOM_KEY not in old:
+            return False
+        header["__metadata__"] = {**{k: v for k, v in old.items() if k != ROOM_KEY}, **metadata}
+        head = json.dumps(header, separators=(",", ":")).encode()
+        if len(head) > n:
+            return False
+        fh.seek(8)
+        fh.write(head + b" " * (n - len(head)))
+        fh.flush()
+        os.fsync(fh.fileno())
+    return True
 
 
 def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str]) -> bytes:

@@ -147,6 +147,26 @@ def write_once(final: Path, data: bytes) -> bool:
     return True
 
 
+def link_once(src: str | Path, final: Path) -> bool:
+    """Give the (fsync'd) file at ``src`` the name ``final``, read-only (``FILE_MODE``), unless
+    something is there: True if this call named it. ``write_once`` without writing the bytes again; ``src`` keeps its own name (an
+    ``OSError`` with ``errno.EXDEV`` when the two are on different file systems)."""
+    if os.path.lexists(final):
+        return False
+    make_dirs(final.parent)
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, FILE_MODE)  # stored files are read-only, whoever wrote them
+    finally:
+        os.close(fd)
+    try:
+        os.link(src, final, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    _fsync_dir(final.parent)
+    return True
+
+
 class Store:
     """Object-keyed files under ``root``; safe to share between machines over NFS."""
 

@@ -21,8 +21,8 @@ from celery import Celery
 
 from draftfleet import redis_keys as rk
 from draftfleet.conversation import record_turns
-from draftfleet.hidden import (DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings,
-                               measured_bytes_per_token, projected_bytes)
+from draftfleet.hidden import (DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings, check_storage,
+                               measured_bytes_per_token, projected_bytes, storage_path)
 from draftfleet.producer.enqueue import PUBLISH_BATCH, TaskSender
 from draftfleet.queues import await_lost_claims, claimed_units, waiting_ids
 from draftfleet.schemas.config import FleetConfig
@@ -80,6 +80,7 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
     ``records`` chooses (``versions.select``); refuse when they will not fit."""
     records = records or select(store, dataset)
     model, layer_ids = capture_settings(cfg)
+    check_storage(cfg, storage_path(cfg))  # the engine's files are linked into the store: same file system
     hidden = HiddenStore(store)
     wanted = CaptureManifest(dataset=dataset, version=0, model=cfg.fleet.model, model_config_sha256=model.config_sha256,
                              num_layers=model.num_layers, hidden_size=model.hidden_size, layer_ids=layer_ids,

@@ -178,7 +178,8 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     file before the worker moves it into the store: a folder both can reach (default
     ``<store>/_hidden/_incoming``). ``dtype``: ``bf16`` (the states as the engine computes them) or
     ``fp8`` (float8 e4m3 with one float32 scale per token, speculators' hs-connectors layout: about
-    half the bytes; README "Hidden states" has what it costs the teacher).
+    half the bytes; README "Hidden states" has what it costs the teacher). The engine's files are
+    linked into the store, so ``storage_path`` must be on the store's file system unless ``copy``.
     """
 
     model_path: str | None = None
@@ -186,6 +187,7 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     inflight: int = 16
     storage_path: str | None = None
     dtype: Literal["bf16", "fp8"] = "bf16"
+    copy: bool = False  # allow a storage_path on another file system than the store (each file written twice)
 
 
 class FleetConfig(msgspec.Struct, kw_only=True):

@@ -234,6 +234,102 @@ def test_speculators_layout_links_the_files_and_aligns_the_rows(tmp_path):
     assert json.loads((out / "state.json").read_text())["_format_type"] == "torch"
 
 
+def _engine_file(path, t: int = 3, room: int = 1024) -> bytes:
+    """A file as the fleet's connector writes it: the states, the ids, and a header with room."""
+    states = f32_to_bf16(np.random.default_rng(1).standard_normal((t, 4, 8)).astype(np.float32))
+    path.write_bytes(encode_safetensors({"hidden_states": ("BF16", states), "token_ids": ("I64", np.arange(t))},
+                                        {"header_room": " " * room} if room else {}))
+    return path.read_bytes()
+
+
+def test_the_unit_metadata_goes_into_the_header_room_in_place(tmp_path):
+    from draftfleet.hidden import rewrite_metadata
+
+    path = tmp_path / "req.safetensors"
+    before = _engine_file(path)
+    meta = {"dataset": "ds", "key": "ab" * 32, "turn": "0", "prompt_len": "2", "version": "1", "layer_ids": "2,4,5,8",
+            "model": "m"}
+    assert rewrite_metadata(path, meta)
+    after = path.read_bytes()
+    (n,) = struct.unpack("<Q", before[:8])
+    assert len(after) == len(before) and after[8 + n:] == before[8 + n:]  # the tensors' bytes untouched
+    with safe_open(str(path), framework="numpy") as f:  # safetensors' own reader takes the padded header
+        assert f.metadata() == meta and f.get_tensor("token_ids").tolist() == [0, 1, 2]
+    no_room = tmp_path / "plain.safetensors"
+    plain = _engine_file(no_room, room=0)
+    assert not rewrite_metadata(no_room, meta) and no_room.read_bytes() == plain
+    small = tmp_path / "small.safetensors"
+    tight = _engine_file(small, room=16)
+    assert not rewrite_metadata(small, meta) and small.read_bytes() == tight  # does not fit: nothing written
+
+
+def test_a_linked_engine_file_is_stored_once_and_read_only(tmp_path):
+    import stat
+
+    from draftfleet.store import link_once
+
+    old = os.umask(0o002)
+    try:
+        src = tmp_path / "incoming" / "req.safetensors"
+        src.parent.mkdir()
+        _engine_file(src)
+        final = tmp_path / "store" / "_hidden" / "ds" / "v1" / "ab" / ("ab" * 32 + ".0.safetensors")
+        assert link_once(src, final) and os.path.samefile(src, final)
+        other = tmp_path / "incoming" / "twin.safetensors"
+        _engine_file(other, t=5)
+        assert not link_once(other, final) and not os.path.samefile(other, final)  # write-once: the first stays
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(final.stat().st_mode) == 0o444 and stat.S_IMODE(final.parent.stat().st_mode) == 0o755
+
+
+def test_storage_on_another_file_system_is_refused_unless_copy(tmp_path, tokenizer_dir, redis_server):
+    from draftfleet.hidden import check_storage
+
+    if os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("/dev/shm is on the same file system as the test's folder here")
+    cfg, store = _fleet(tmp_path, tokenizer_dir)
+    check_storage(cfg, tmp_path / "store" / "_hidden" / "_incoming")  # the default: beside the store
+    other = tmp_path.name + "-incoming"
+    elsewhere = msgspec.structs.replace(cfg, capture=msgspec.structs.replace(cfg.capture, storage_path=f"/dev/shm/{other}"))
+    try:
+        with pytest.raises(CaptureError, match="another file system than the store.*copy = true"):
+            queue_capture(elsewhere, store, make_app(redis_server.url, 3600), redis_server.client(), "ds")
+        assert not HiddenStore(store).versions("ds")
+        copying = msgspec.structs.replace(elsewhere, capture=msgspec.structs.replace(elsewhere.capture, copy=True))
+        check_storage(copying, f"/dev/shm/{other}")
+    finally:
+        os.rmdir(f"/dev/shm/{other}")
+
+
+def test_a_killed_workers_engine_files_are_swept(tmp_path):
+    import fcntl
+    import time
+
+    from draftfleet.workers.capture import sweep_orphans
+
+    folder = tmp_path / "incoming"
+    folder.mkdir()
+    linked, fresh, old, held = (folder / f"{n}.safetensors" for n in ("linked", "fresh", "old", "held"))
+    for f in (linked, fresh, old, held):
+        _engine_file(f)
+    os.link(linked, tmp_path / "stored.safetensors")  # in the store already: its engine name is a leftover
+    (folder / "old.safetensors.lock").write_text("")
+    (folder / "held.safetensors.lock").write_text("")
+    (folder / "gone.safetensors.lock").write_text("")  # the engine died before writing
+    (folder / "x.safetensors.123.partial").write_text("")
+    hour_ago = time.time() - 3600
+    for name in ("old.safetensors", "old.safetensors.lock", "held.safetensors", "held.safetensors.lock",
+                 "gone.safetensors.lock", "x.safetensors.123.partial"):
+        os.utime(folder / name, (hour_ago, hour_ago))
+    with open(folder / "held.safetensors.lock") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)  # a live writer holds it
+        assert sweep_orphans(folder, 600) == 5
+    assert sorted(p.name for p in folder.iterdir()) == ["fresh.safetensors", "held.safetensors",
+                                                        "held.safetensors.lock"]
+    assert (tmp_path / "stored.safetensors").stat().st_nlink == 1  # the store's name stays
+
+
 def test_vocabulary_counts_only_the_loss_masked_positions():
     from draftfleet.export.features import token_counts
 

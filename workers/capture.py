@@ -8,7 +8,17 @@ prompt sent is the turn's stored prompt ids followed by its output ids, never te
 connector writes them (the one generated token is thrown away), in the version's dtype (bf16,
 or fp8 with a scale per token, quantized by the connector). The worker checks the file holds
 exactly the ids sent, the version's layers, hidden size and dtype, and only finite values, then
-stores it write-once (``hidden.py``) and deletes the engine's copy.
+stores it without writing it again: the unit's metadata goes into the room the connector left in
+the file's header (in place, fsync'd), and the file is linked to its name in the store (``link``
+fails if the name is taken: write-once), then the engine's name is removed. So the states cross
+the disk once; the connector's storage path must be on the store's file system (checked at start)
+unless ``[capture] copy = true``, which writes each file a second time.
+
+The engine is never kept waiting for the worker: ``inflight`` requests are open at once (a
+semaphore around the request only), and twice as many threads run units, so that reading the
+record, rendering its prompt, checking, linking and counting one unit overlaps the engine's work
+on the others. The worker waits for each file on the connector's lock (``flock``: the kernel wakes
+it when the writer lets go), not by polling.
 
 The engine's answer is its word, not the truth: the worker reads and deletes only a file inside
 its storage folder (every link resolved, then held by a descriptor), and stores nothing whose
@@ -22,10 +32,13 @@ refreshing); a copy that finds the claim taken is acknowledged, since the holder
 comes back if the holder dies. A worker killed mid-run leaves its unit without a file, never with
 a half one, and its claims lapse: any live worker's recovery sweep (``recovery.py``, the same as
 generation's) gives its messages back to the queue; the next ``draftfleet capture`` would too.
+The engine file of a killed worker's unit is removed by a live worker's beat once it is linked
+into the store (a second name of a stored file) or ``ORPHAN_S`` old.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -46,11 +59,12 @@ from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
 from draftfleet.claims import Claims
-from draftfleet.hidden import (DTYPES, SCALES, CaptureError, HiddenStore, TargetModel, capture_settings,
-                               encode_safetensors, read_safetensors, record_units, storage_path)
+from draftfleet.hidden import (DTYPES, HEADER_ROOM, SCALES, CaptureError, HiddenStore, TargetModel, capture_settings,
+                               check_storage, encode_safetensors, read_safetensors, record_units, rewrite_metadata,
+                               storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
 from draftfleet.schemas.records import CaptureManifest, CaptureTask, EngineContract, WorkerReport
-from draftfleet.store import Store, StoreError, check_key, check_name, make_dirs
+from draftfleet.store import Store, StoreError, check_key, check_name, link_once, make_dirs
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
@@ -62,8 +76,10 @@ CONNECTOR_CLASS = "DraftfleetHiddenStatesConnector"
 CONNECTOR_MODULE = "draftfleet.workers.vllm_connector"
 CONTRACT_KEY = "draftfleet_contract"  # the connector's metadata entry (vllm_connector.py)
 _contract_decoder = msgspec.json.Decoder(EngineContract)
-FILE_WAIT_S = 120.0  # the connector writes the file after the answer: how long to wait for it
 INFRA_RETRY_S = 5.0
+# An engine file this old whose lock nobody holds was left by a killed worker (a live one takes its
+# file within moments of the answer): removed by the beat.
+ORPHAN_S = float(os.environ.get("DRAFTFLEET_CAPTURE_ORPHAN_S", "600"))
 
 
 def engine_args(layer_ids: list[int], storage_path: str, dtype: str = "bf16") -> list[str]:
@@ -72,7 +88,8 @@ def engine_args(layer_ids: list[int], storage_path: str, dtype: str = "bf16") ->
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
     kv = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": storage_path, "dtype": dtype}}
+          "kv_connector_extra_config": {"shared_storage_path": storage_path, "dtype": dtype,
+                                        "header_room": HEADER_ROOM}}
     # No prefix caching: every state of a request is computed for it, none taken from an earlier one.
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
 
@@ -146,18 +163,22 @@ class CaptureClient(VLLMClient):
     """A vLLM capture server: ids in, the path of their hidden states out, then the file read.
 
     ``storage`` is the folder the engine's connector writes in (its ``shared_storage_path``): the
-    path an answer names is the engine's word, so only a file inside it is read or deleted."""
+    path an answer names is the engine's word, so only a file inside it is read or deleted. At most
+    ``inflight`` requests are open at once, whatever the number of threads calling."""
 
     def __init__(self, url: str, settings, tokenizer: TargetTokenizer, *, inflight: int, storage: str | Path):
         super().__init__(url, settings, tokenizer, inflight=inflight)
         self.storage = Path(storage)
+        self.slots = threading.BoundedSemaphore(inflight)
 
     def capture(self, ids: list[int]) -> Captured:
-        """The engine's file for exactly ``ids``, read and then deleted (with its ``.lock``)."""
+        """The engine's file for exactly ``ids``, read; deleted (with its ``.lock``) if that fails, else
+        the caller's to store and then remove (:func:`discard`)."""
         body: dict = {"prompt": ids, "max_tokens": 1, "temperature": 0.0}
         if self.model:
             body["model"] = self.model
-        out = self.post("/v1/completions", body)
+        with self.slots:
+            out = self.post("/v1/completions", body)
         params = out.get("kv_transfer_params") if isinstance(out, dict) else None
         path = params.get("hidden_states_path") if isinstance(params, dict) else None
         if not isinstance(path, str):
@@ -169,15 +190,31 @@ class CaptureClient(VLLMClient):
             if not os.path.samestat(os.fstat(dir_fd), os.stat(folder)):  # swapped since it was resolved
                 raise Halt("hidden_states_path", f"{folder} changed while it was opened: refused")
             try:
-                return _read_engine_file(dir_fd, name, path)
-            finally:
-                for n in (name, name + ".lock"):
-                    try:
-                        os.unlink(n, dir_fd=dir_fd)  # never follows a link: removes the entry, in this folder
-                    except OSError:
-                        pass
+                return _read_engine_file(dir_fd, name, os.path.join(folder, name))
+            except BaseException:
+                _unlink(dir_fd, name)
+                raise
         finally:
             os.close(dir_fd)
+
+
+def _unlink(dir_fd: int, name: str) -> None:
+    for n in (name, name + ".lock"):
+        try:
+            os.unlink(n, dir_fd=dir_fd)  # never follows a link: removes the entry, in this folder
+        except OSError:
+            pass
+
+
+def discard(path: str) -> None:
+    """Remove an engine file's name and its lock (``path``: the contained real path a Captured holds;
+    the store keeps its own name of a stored file)."""
+    folder, name = os.path.split(path)
+    dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _unlink(dir_fd, name)
+    finally:
+        os.close(dir_fd)
 
 
 def _inside(path: str, storage: Path) -> tuple[str, str]:
@@ -194,39 +231,26 @@ def _inside(path: str, storage: Path) -> tuple[str, str]:
 
 
 def _read_engine_file(dir_fd: int, name: str, path: str) -> Captured:
-    """Wait for the connector to finish the file (it holds ``<name>.lock`` while writing), read it.
-    Every malformed file is a ``Transient`` naming it (retried, then the unit's failure)."""
-    deadline = time.monotonic() + FILE_WAIT_S
-    while True:
-        released = False
+    """Wait for the connector to finish the file, read it. Every malformed file is a ``Transient``
+    naming it (retried, then the unit's failure).
+
+    The connector creates ``<name>.lock`` holding ``LOCK_EX`` when the request is scheduled, before
+    the answer names the path, and lets go once the file is renamed into place (or when its
+    process dies): a blocking ``LOCK_SH`` sleeps exactly until then, no polling."""
+    try:
+        lock = os.open(name + ".lock", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass  # a connector without the lock: the file is whole (renamed into place) or absent
+    except OSError as exc:
+        raise Transient("hidden_states_unreadable", f"{path}.lock: {exc.strerror}") from None
+    else:
         try:
-            lock = os.open(name + ".lock", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass  # no lock file (yet): the file appears whole or not at all (renamed into place)
-        except OSError as exc:
-            raise Transient("hidden_states_unreadable", f"{path}.lock: {exc.strerror}") from None
-        else:
-            try:
-                while True:
-                    try:
-                        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                        released = True
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() > deadline:
-                            raise Transient("hidden_states_timeout", f"{path} still being written after {FILE_WAIT_S:.0f}s") from None
-                        time.sleep(0.02)
-            finally:
-                os.close(lock)
-        if _exists(dir_fd, name):
-            break
-        if released:
-            raise Transient("hidden_states_missing", f"the engine released {path}.lock without writing the file "
-                            "(its log says why: a full disk, a write error)")
-        if time.monotonic() > deadline:
-            raise Halt("hidden_states_unreachable", f"the engine's file {path} does not appear here: the worker must "
-                       "see the engine's storage_path at the same path (same host or a shared file system)")
-        time.sleep(0.05)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        finally:
+            os.close(lock)
+    if not _exists(dir_fd, name):
+        raise Transient("hidden_states_missing", f"the engine let go of {path}.lock without writing the file "
+                        "(its log says why: a full disk, a write error)")
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)  # a link put in its place is refused
         with os.fdopen(fd, "rb") as fh:
@@ -319,13 +343,16 @@ class CaptureRuntime:
     """Per-process state of a capture worker."""
 
     def __init__(self, cfg: FleetConfig, store: Store, r: redis.Redis, client: CaptureClient, tokenizer: TargetTokenizer,
-                 hostname: str, layer_ids: list[int], model_sha: str, dtype: str = "bfloat16"):
+                 hostname: str, layer_ids: list[int], model_sha: str, dtype: str = "bfloat16",
+                 storage: Path | None = None):
         self.cfg, self.store, self.r, self.client, self.tokenizer = cfg, store, r, client, tokenizer
         self.hidden = HiddenStore(store)
         self.hostname = hostname
         self.layer_ids = layer_ids
         self.model_sha = model_sha
         self.dtype = dtype  # the manifest's name of the states' dtype this worker's engine writes
+        self.storage = storage  # where the engine writes its files (swept of a killed worker's)
+        self.warned_copy = False
         self._manifests: dict[tuple[str, int], CaptureManifest] = {}
         self.claims = Claims(r, hostname)
         self._stop = threading.Event()
@@ -348,6 +375,8 @@ class CaptureRuntime:
                                           endpoint=self.client.endpoint, datasets=sorted(datasets),
                                           queues=[rk.capture_queue(d) for d in sorted(datasets)], slots=slots),
                              mark_state=True)
+            if self.storage is not None:  # and remove what killed workers left in the engine's folder
+                sweep_orphans(self.storage, ORPHAN_S)
 
         def loop() -> None:
             beat()
@@ -367,6 +396,40 @@ class CaptureRuntime:
                 return None
             self._manifests[k] = m
         return self._manifests[k]
+
+
+def sweep_orphans(folder: Path, age_s: float) -> int:
+    """Remove what killed workers left in the engine's folder: files already linked into the store
+    (a second name), and files, locks and partial writes ``age_s`` old that nobody holds the lock of."""
+    removed = 0
+    now = time.time()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for e in entries:
+        if not e.name.endswith((".safetensors", ".safetensors.lock", ".partial")) or not e.is_file(follow_symlinks=False):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+            if e.name.endswith(".safetensors") and st.st_nlink > 1:
+                os.unlink(e.path)  # stored: the store keeps its own name
+                removed += 1
+                continue
+            if now - st.st_mtime < age_s:
+                continue
+            lock = e.path if e.name.endswith(".lock") else e.path + ".lock"
+            if os.path.exists(lock):
+                fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its writer is alive
+                finally:
+                    os.close(fd)
+            os.unlink(e.path)
+            removed += 1
+        except OSError:  # BlockingIOError included: held, or gone meanwhile
+            continue
+    return removed
 
 
 _runtime: CaptureRuntime | None = None
@@ -453,9 +516,15 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
     failure: Exception | None = None
     for attempt in range(1, rt.cfg.fleet.max_attempts + 1):
         try:
+            got = None
             try:
-                got = rt.client.capture(ids)
-                check_states(ids, got, m)
+                try:
+                    got = rt.client.capture(ids)
+                    check_states(ids, got, m)
+                except BaseException:
+                    if got is not None:  # refused: the engine's file goes
+                        discard(got.path)
+                    raise
             except (Halt, Permanent, Transient):
                 raise
             except Exception as exc:  # a bug or an unforeseen file must not ack the unit away uncounted
@@ -486,15 +555,41 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
     meta = {"dataset": task.dataset, "key": task.key, "turn": str(task.turn), "prompt_len": str(prompt_len),
             "version": str(task.version), "layer_ids": ",".join(map(str, m.layer_ids)), "model": m.model,
             CONTRACT_KEY: msgspec.json.encode(got.contract).decode()}
-    tensors = {"token_ids": ("I64", got.ids), "hidden_states": ("BF16" if got.dtype == "bfloat16" else "F8_E4M3", got.states)}
-    if got.scales is not None:
-        tensors[SCALES] = got.scales
-    data = encode_safetensors(tensors, meta)
-    if not rt.hidden.put(task.dataset, task.version, task.key, task.turn, data):
+    try:
+        stored = _store(rt, task, got, meta)
+    finally:
+        discard(got.path)
+    if not stored:
         return "duplicate"
     _event(rt, task.dataset, "captured", len(ids))
     log.info("captured %s %s turn %d: %d tokens", task.dataset, source, task.turn, len(ids))
     return "stored"
+
+
+def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str, str]) -> bool:
+    """Give the engine's file its name in the store, with ``meta`` in its header; False if the unit is
+    there already. The bytes are written again only where they cannot be linked: a file without
+    header room (a server started without the fleet's ``header_room``) or, with ``[capture] copy``,
+    on another file system."""
+    final = rt.hidden.path(task.dataset, task.version, task.key, task.turn)
+    if rewrite_metadata(got.path, meta):
+        try:
+            return link_once(got.path, final)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise StoreError(f"cannot link {got.path} to {final}: {exc.strerror or exc}") from exc
+            if not rt.cfg.capture.copy:
+                raise Halt("hidden_states_other_fs", f"{got.path} is on another file system than the store "
+                           f"{rt.store.root}: set [capture] storage_path on the store's, or [capture] copy = true "
+                           "to write every file twice") from None
+    elif not rt.warned_copy:
+        rt.warned_copy = True
+        log.warning("%s has no header room: every file is written again into the store (start the server with the "
+                    "fleet's connector flags, README 'Hidden states')", got.path)
+    tensors = {"token_ids": ("I64", got.ids), "hidden_states": ("BF16" if got.dtype == "bfloat16" else "F8_E4M3", got.states)}
+    if got.scales is not None:
+        tensors[SCALES] = got.scales
+    return rt.hidden.put(task.dataset, task.version, task.key, task.turn, encode_safetensors(tensors, meta))
 
 
 def register(app: Celery) -> None:
@@ -544,6 +639,7 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
     tokenizer = TargetTokenizer.from_config(cfg.fleet)
     store = Store(cfg.fleet.store)
     store.prepare()
+    check_storage(cfg, Path(storage_path(cfg)))  # the engine's files are linked into the store
     server = client = rt = connector = None
     stop_waiting = announce_waiting(r, hostname, "capture", "vllm", redact(url) if url else f"GPU {gpus}", names,
                                     f"vLLM at {redact(url)}" if url else f"vLLM to start on GPU(s) {gpus}")
@@ -573,14 +669,15 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
         app.conf.broker_transport = "draftfleet.workers.consumer:Transport"
         register(app)
         rt = CaptureRuntime(cfg, store, r, client, tokenizer, hostname, layer_ids, model.config_sha256,
-                            DTYPES[cfg.capture.dtype])
+                            DTYPES[cfg.capture.dtype], storage)
         install(rt)
         stop_waiting()
         rt.start_reports(names, n)
         queues = [rk.capture_queue(d) for d in names]
         log.info("capture worker %s: layers %s in %s, %d in flight, queues %s", hostname, layer_ids, cfg.capture.dtype,
                  n, ",".join(queues))
-        app.worker_main(["worker", "-P", "threads", "-c", str(n), "-Q", ",".join(queues), "-n", hostname,
+        # twice as many threads as engine slots: one unit's record, check and link while n are in the engine
+        app.worker_main(["worker", "-P", "threads", "-c", str(2 * n), "-Q", ",".join(queues), "-n", hostname,
                          "-l", loglevel.upper(), "-E", "--without-gossip", "--without-mingle"])
     finally:
         stop_waiting()
@@ -600,7 +697,10 @@ def check_engine(client: CaptureClient, want: EngineContract) -> None:
     one than this worker's settings: one capture of a single token, before any unit is taken."""
     try:
         got = client.capture([client.tokenizer.eot_id])
-        check_contract(got.contract, want, got.path, "this worker's [capture] settings")
+        try:
+            check_contract(got.contract, want, got.path, "this worker's [capture] settings")
+        finally:
+            discard(got.path)
     except (Halt, Permanent, Transient) as exc:
         raise CaptureError(f"{client.endpoint} is not a capture engine this worker can use: {exc}") from None
 

@@ -16,6 +16,10 @@ layer count, the stored dtype and the model (its ``config.json``'s sha256). Stat
 have the same shape as the right ones; the worker compares this contract with the capture
 version's and stores nothing that differs (``capture.py``).
 
+``"header_room": N`` leaves N bytes of room in each file's header (a ``header_room`` metadata
+entry of N spaces): the capture worker writes the unit's metadata there, in place, and links the
+file into the store, so the states are written to disk once (``capture.py``).
+
 ``kv_connector_extra_config`` ``"dtype": "fp8"`` stores float8 e4m3 states with one float32 scale
 per token, in the writer thread (off the engine's step), exactly as speculators' hs-connectors
 0.9.0 writes them (``fp8_utils.quantize_tensor_to_fp8``: scale = amax over the token's layers and
@@ -102,6 +106,9 @@ class DraftfleetHiddenStatesConnector(ExampleHiddenStatesConnector):
             raise ValueError(f"kv_connector_extra_config dtype {dtype!r}: bf16 or fp8")
         self._fp8 = dtype == "fp8"
         self._metadata = {"draftfleet_contract": json.dumps(contract(self._vllm_config, dtype), separators=(",", ":"))}
+        room = int(self._kv_transfer_config.get_from_extra_config("header_room", 0))
+        if room:
+            self._metadata["header_room"] = " " * room
 
     @staticmethod
     def _write_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], filename: str,

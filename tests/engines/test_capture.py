@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 from draftfleet import redis_keys as rk
-from draftfleet.hidden import HIDDEN_DIR, HiddenStore, TargetModel, encode_safetensors, f32_to_bf16, read_safetensors
+from draftfleet.hidden import (HEADER_ROOM, HIDDEN_DIR, HiddenStore, TargetModel, encode_safetensors, f32_to_bf16,
+                               read_safetensors)
 from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
 
 from ..conftest import free_port, run_cli, wait_until, write_config, write_jsonl
@@ -127,6 +128,12 @@ def _capture_cli(config, redis_url, *extra) -> list[dict]:
     return json.loads(res.stdout)
 
 
+def _write_bytes(pid: int) -> int:
+    """What a process has sent towards the disk so far (``/proc/PID/io``)."""
+    return int(next(line for line in Path(f"/proc/{pid}/io").read_text().splitlines()
+                    if line.startswith("write_bytes:")).split()[1])
+
+
 def _files_by_unit(store, dataset: str, version: int = 1) -> Counter:
     folder = Path(store.root) / HIDDEN_DIR / dataset / f"v{version}"
     return Counter(p.name.rsplit(".", 1)[0] for p in folder.glob("*/*.safetensors"))
@@ -138,9 +145,10 @@ def test_captured_states_match_transformers_and_both_trainers_read_the_exports(
     config, store = _generate(live, capture, tmp_path, tokenizer_dir, redis_server, workers, "hs", 12)
     [summary] = _capture_cli(config, redis_server.url)
     assert (summary["version"], summary["layer_ids"], summary["units"], summary["queued"]) == (1, [2, 4, 5, 8], 12, 12)
-    workers.start(config, "capture", "--url", capture.server.url, "--name", "cap", redis_url=redis_server.url)
+    cap = workers.start(config, "capture", "--url", capture.server.url, "--name", "cap", redis_url=redis_server.url)
     hidden = HiddenStore(store)
     wait_until(lambda: len(_files_by_unit(store, "hs")) == 12, 240, 0.2, f"12 captured files\n{workers.logs()}")
+    worker_wrote = _write_bytes(cap.pid)
     assert not list(capture.storage.glob("*.safetensors*")), "the engine's own files are left behind"
 
     # each file holds exactly the stored ids: the tokens export's row (prompt ids then output ids)
@@ -158,7 +166,12 @@ def test_captured_states_match_transformers_and_both_trainers_read_the_exports(
         assert tensors["hidden_states"][0] == "BF16" and tensors["hidden_states"][1].shape == (len(ids), 4, 128)
         total_tokens += len(ids)
         total_bytes += path.stat().st_size
-    assert total_bytes < total_tokens * (4 * 128 * 2 + 8) + 12 * 1024  # bf16 states + int64 ids + a small header
+    # bf16 states + int64 ids + a header with the room the connector leaves for the unit's metadata
+    assert total_bytes < total_tokens * (4 * 128 * 2 + 8) + 12 * (HEADER_ROOM + 512)
+    # written once: the engine's file is the store's (its metadata put in the header's room, then linked);
+    # the worker itself writes a header page a file (and its logs), not the states again (before: 100%)
+    assert worker_wrote < 0.15 * total_bytes, (worker_wrote, total_bytes)
+    assert all("header_room" not in read_safetensors(hidden.path("hs", 1, rec.key, 0), ())[1] for rec in store.records("hs"))
 
     # inventory shows the captured tokens and bytes; status the capture's progress
     inv = run_cli("inventory", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
@@ -255,8 +268,11 @@ def test_capture_worker_killed_mid_run_leaves_one_file_per_unit(live, capture, t
 
     # a new worker finishes it: the victim's unit comes back once its claim lapses (recovery sweep)
     workers.start(config, "capture", "--url", capture.server.url, "--name", "second", redis_url=redis_server.url,
-                  env=CLAIM_ENV)
+                  env={**CLAIM_ENV, "DRAFTFLEET_CAPTURE_ORPHAN_S": "3"})
     wait_until(lambda: len(_files_by_unit(store, "kill")) == n, 240, 0.2, f"{n} captured files\n{workers.logs()}")
+    # the engine file of the victim's unit (written, never linked) is swept by the live worker's beat
+    wait_until(lambda: not list(capture.storage.glob("*.safetensors*")), 60, 0.5,
+               f"no engine files behind: {sorted(p.name for p in capture.storage.iterdir())}")
     if held:
         assert "held by no live worker back to their queues" in workers.logs(None), workers.logs()
     files = _files_by_unit(store, "kill")
