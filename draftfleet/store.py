@@ -107,6 +107,8 @@ def make_dirs(folder: Path) -> None:
         try:
             os.mkdir(d, DIR_MODE)
         except FileExistsError:
+            if not os.path.isdir(d):
+                raise  # a file where the folder must go: name it, not a temp file inside it
             continue  # made meanwhile by another writer, with the same mode
         os.chmod(d, DIR_MODE)
 
