@@ -67,7 +67,9 @@ def test_paid_turns_count_at_once_and_a_conversation_the_budget_stops_is_stored(
     totals = ledger.dataset_totals("ds")
     assert totals["completion_tokens"] == total and totals.get("paid_tokens", 0) == 0
     assert not r.exists(rk.paid_keys("ds"))
-    # what could still be asked once the budget was reached: one turn of each conversation in flight
-    assert BUDGET - MAX_TOKENS < total <= math.floor(1.01 * BUDGET) + CONCURRENCY * MAX_TOKENS, total
+    # above: what could still be asked once the budget was reached, one turn of each conversation in flight;
+    # below: the last closing round ends when less than one task's expected tokens fit, and a conversation's
+    # task expects all its turns (3 of at most 16 tokens here; seen: 117 of 150)
+    assert BUDGET - 3 * 16 < total <= math.floor(1.01 * BUDGET) + CONCURRENCY * MAX_TOKENS, total
     drift = Reconciler(store, r).reconcile("ds")
     assert (drift.corrections, drift.paid_turns_marked, drift.paid_tokens_corrected) == ({}, 0, 0)

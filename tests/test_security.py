@@ -92,7 +92,9 @@ def test_task_paths_cannot_leave_the_store(tmp_path, redis_server, tokenizer_dir
     new = {p for p in tmp_path.rglob("*")} - before
     assert all(p.is_relative_to(store.root / "ds") or p.name.startswith("worker-") for p in new), sorted(new)
     assert not outside.exists() and not (tmp_path / "x").exists() and not (store.root.parent / "x").exists()
-    assert sorted(p.name for p in store.root.iterdir()) == [MARKER, "ds"]
+    # beside the dataset's folder: the store's marker, and the decision log enqueue wrote (budget) for "ds" only
+    assert sorted(p.name for p in store.root.iterdir()) == [MARKER, "_log", "ds"]
+    assert [p.name for p in (store.root / "_log").iterdir()] == ["ds.jsonl"]
 
 
 class _EchoAPI(BaseHTTPRequestHandler):
