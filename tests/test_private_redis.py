@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -138,13 +139,20 @@ def test_every_command_waits_while_redis_loads_its_append_only_file(tmp_path, to
     shutil.rmtree(state / "appendonlydir", ignore_errors=True)  # Redis 7's layout: the legacy file is read then
     large_aof(state / "appendonly.aof")
     assert (state / "appendonly.aof").stat().st_size > 10_000_000
-    for command in (["status"], ["enqueue"]):
-        started = time.monotonic()
-        res = cli(*command, "--config", str(config), timeout=300)
-        assert res.returncode == 0, res.stderr
-        assert "is loading its data set into memory" in res.stderr, res.stderr
-        assert re.search(r"Redis has loaded its data set \(waited \d+\.\d s\)", res.stderr)
-        assert "cannot reach Redis" not in res.stderr
-        assert time.monotonic() - started < 300
-    log = (state / "redis.log").read_text()
-    assert log.count("DB loaded from append only file") >= 2
+    try:
+        for command in (["status"], ["enqueue"]):
+            started = time.monotonic()
+            res = cli(*command, "--config", str(config), timeout=300)
+            assert res.returncode == 0, res.stderr
+            assert "is loading its data set into memory" in res.stderr, res.stderr
+            assert re.search(r"Redis has loaded its data set \(waited \d+\.\d s\)", res.stderr)
+            assert "cannot reach Redis" not in res.stderr
+            assert time.monotonic() - started < 300
+        log = (state / "redis.log").read_text()
+        assert log.count("DB loaded from append only file") >= 2
+        # `enqueue` leaves the private Redis up for the workers (as a worker does): the test stops it
+        assert cli("redis", "stop", "--config", str(config)).stdout.strip() == "stopped"
+        wait_until(lambda: not [p for p in server_pids(state) if alive(p)], 30, what="the redis-servers to exit")
+    finally:
+        for pid in (p for p in server_pids(state) if alive(p)):  # a failed run leaves none either
+            os.kill(pid, signal.SIGKILL)
