@@ -6,15 +6,25 @@ Layout under the store root (beside the records, never inside a dataset's shards
     _hidden/<dataset>/v<N>/<key[:2]>/<key>.<turn>.safetensors
 
 The unit is (record key, turn index): a single-turn record has turn 0; a conversation one file
-per regenerated turn. A file holds ``token_ids`` int64 [T] (the turn's prompt ids then its
-output ids, as stored) and ``hidden_states`` [T, L, H] in the version's dtype: bf16, or float8
+per regenerated turn, or, where each turn's prompt and answer ids are the start of the next turn's
+prompt (a template that keeps the history as generated) and the version captures conversations
+(``units = "conversation"``), ONE file over its last turn's whole sequence:
+``<key>.conversation.safetensors``. Causal attention makes a position's states depend only on the
+ids up to it, so that file holds every turn's states once, where per-turn files would compute and
+store the shared history again for every turn. A template that rewrites the history (Kimi-K2.5
+blanks earlier reasoning) or an answer whose ids are not the tokenizer's own encoding of its text
+breaks the prefix: that conversation is captured per turn (:func:`conversation_spans` says why).
+
+A file holds ``token_ids`` int64 [T] (the unit's prompt ids then its output ids, as stored) and ``hidden_states`` [T, L, H] in the version's dtype: bf16, or float8
 e4m3 with ``hidden_states_scales`` float32 [T, 1, 1] (one scale per token, amax / 448, the layout
 speculators' hs-connectors reads and dequantizes as ``fp8.to(bf16) * scale``). The auxiliary layers in ascending
 order, then the last layer's output BEFORE the final norm (vLLM/speculators layer ids, where id k
 is the residual stream entering decoder layer k and id N the last layer's output; FORMATS.md,
 "Hidden states"). That is speculators' own per-row layout, so its export is a copy; SpecForge's
 post-norm last layer is derived from it at export (the norm cannot be undone, so the pre-norm
-state is the one kept). The header metadata names the key, turn and prompt length.
+state is the one kept). The header metadata names the key, the turn (``conversation``), the
+answers' ``spans`` (``[[start, end], ..]`` in the ids: one per turn, the trainers' loss mask) and
+``prompt_len`` (the first span's start).
 
 Files are written once, by the engine's connector, on the store's file system: the worker writes
 the unit's metadata into the room the connector leaves in the header (in place, same length),
@@ -37,7 +47,7 @@ import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import msgspec
 import numpy as np
@@ -45,13 +55,13 @@ import numpy as np
 from draftfleet.conversation import record_turns
 from draftfleet.export import tokens
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import CaptureManifest, ResponseRecord
+from draftfleet.schemas.records import CONVERSATION, CaptureManifest, ResponseRecord, turn_name
 from draftfleet.store import Store, check_key, check_name, write_once
 from draftfleet.tokenizer import TargetTokenizer, TokenizerError
 
 HIDDEN_DIR = "_hidden"
 MANIFEST = "capture.json"
-_FILE_RE = re.compile(r"^([0-9a-f]{64})\.(\d+)\.safetensors$")
+_FILE_RE = re.compile(r"^([0-9a-f]{64})\.(\d+|conversation)\.safetensors$")
 _DTYPES = {"BF16": np.uint16, "F8_E4M3": np.uint8, "I64": np.int64, "F32": np.float32, "I32": np.int32,
            "F16": np.float16}
 DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}  # [capture] dtype -> the manifest's (torch's name)
@@ -178,6 +188,58 @@ def record_units(rec: ResponseRecord, tok: TargetTokenizer) -> list[tuple[list[i
                                f"{turn.prompt_tokens}: another tokenizer or chat template than at generation")
         units.append((ids, prompt_len))
     return units
+
+
+Spans = list[tuple[int, int]]
+
+
+def conversation_spans(rec: ResponseRecord) -> tuple[list[int], Spans] | str:
+    """A conversation captured once: its last turn's whole sequence and each turn's answer span in
+    it, when every turn's prompt ids then answer ids begin the next turn's prompt ids; otherwise why
+    not (a string: one turn, ids not stored, or where the history differs from what was generated).
+
+    Only the stored ids decide: the exact prompt each turn was run with, never a re-render."""
+    turns = record_turns(rec)
+    if len(turns) < 2:
+        return "a single turn"
+    if not all(t.prompt_ids and t.output_ids for t in turns):
+        return "a turn without stored prompt or answer ids"
+    spans: Spans = []
+    for k, t in enumerate(turns):
+        spans.append((len(t.prompt_ids), len(t.prompt_ids) + len(t.output_ids)))
+        if k + 1 == len(turns):
+            break
+        seq, nxt = t.prompt_ids + t.output_ids, turns[k + 1].prompt_ids
+        if len(seq) > len(nxt) or nxt[: len(seq)] != seq:
+            at = next((i for i, (a, b) in enumerate(zip(seq, nxt)) if a != b), min(len(seq), len(nxt)))
+            why = ("the history is rendered otherwise than it was asked" if at < len(t.prompt_ids) else
+                   "earlier reasoning rewritten by the template" if t.reasoning else
+                   "the answer re-renders to other ids than were generated")
+            return f"turn {k + 1}'s prompt differs from turn {k}'s prompt and answer at id {at}: {why}"
+    last = turns[-1]
+    return last.prompt_ids + last.output_ids, spans
+
+
+def loss_mask(n: int, spans: Spans) -> list[int]:
+    """1 on every answer position of ``spans``, 0 elsewhere (prompts, later user turns)."""
+    mask = [0] * n
+    for start, end in spans:
+        mask[start:end] = [1] * (end - start)
+    return mask
+
+
+def file_spans(meta: dict[str, str], n: int, path: str | Path) -> Spans:
+    """The answer spans a stored file's metadata gives (a per-turn file: ``prompt_len`` to the end),
+    checked to lie in its ``n`` ids in order: a wrong mask trains on the prompt, silently."""
+    try:
+        spans = [(int(a), int(b)) for a, b in json.loads(meta["spans"])] if "spans" in meta else [
+            (int(meta["prompt_len"]), n)]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: no readable answer spans in its metadata ({exc})") from None
+    ends = [0] + [x for s in spans for x in s] + [n]
+    if not spans or any(a > b for a, b in zip(ends, ends[1:])) or any(a == b for a, b in spans):
+        raise ValueError(f"{path}: answer spans {spans} do not lie in order within its {n} ids")
+    return spans
 
 
 def projected_bytes(bytes_per_token: float, pending_tokens: int, remaining_budget: int | None,
@@ -334,6 +396,18 @@ def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dic
 
 
 # -- the store ------------------------------------------------------------------------------
+class StoredFile(NamedTuple):
+    """One stored file of a version: its unit, the record turns it holds, tokens, bytes, mtime."""
+
+    key: str
+    turn: int
+    path: str
+    turns: int
+    tokens: int
+    bytes: int
+    mtime: float
+
+
 class HiddenStore:
     """The hidden-state files of a store, per dataset and capture version."""
 
@@ -346,7 +420,7 @@ class HiddenStore:
 
     def path(self, dataset: str, version: int, key: str, turn: int) -> Path:
         check_key(key)
-        return self.version_dir(dataset, version) / key[:2] / f"{key}.{int(turn)}.safetensors"
+        return self.version_dir(dataset, version) / key[:2] / f"{key}.{turn_name(turn)}.safetensors"
 
     def has(self, dataset: str, version: int, key: str, turn: int) -> bool:
         return os.path.lexists(self.path(dataset, version, key, turn))
@@ -377,7 +451,7 @@ class HiddenStore:
         return write_once(self.path(dataset, version, key, turn), data)
 
     def files(self, dataset: str, version: int) -> Iterator[tuple[str, int, str]]:
-        """(key, turn, path) of every stored file of a version, unsorted."""
+        """(key, turn, path) of every stored file of a version, unsorted (a conversation's turn: ``CONVERSATION``)."""
         base = self.version_dir(dataset, version)
         if not base.is_dir():
             return
@@ -386,17 +460,29 @@ class HiddenStore:
                 for e in os.scandir(shard.path):
                     m = _FILE_RE.match(e.name)
                     if m:
-                        yield m.group(1), int(m.group(2)), e.path
+                        turn = m.group(2)
+                        yield m.group(1), CONVERSATION if turn == "conversation" else int(turn), e.path
 
     def usage(self, dataset: str, version: int) -> tuple[int, int, int]:
         """(files, tokens, bytes) of a version: sizes from the directory, tokens from each header."""
-        files = tokens = size = 0
-        for _key, _turn, path in self.files(dataset, version):
+        u = self.turn_usage(dataset, version)
+        return u[0], u[2], u[3]
+
+    def turn_usage(self, dataset: str, version: int) -> tuple[int, int, int, int]:
+        """(files, record turns they hold, tokens, bytes): a conversation's file holds all its turns."""
+        files = turns = tokens = size = 0
+        for e in self.entries(dataset, version):
+            files, turns, tokens, size = files + 1, turns + e.turns, tokens + e.tokens, size + e.bytes
+        return files, turns, tokens, size
+
+    def entries(self, dataset: str, version: int) -> Iterator[StoredFile]:
+        """What each stored file of a version holds, from its header; vanished or unreadable ones skipped."""
+        for key, turn, path in self.files(dataset, version):
             try:
                 header, _offset = _header(Path(path))
-                tokens += int(header["token_ids"]["shape"][0])
-                size += os.stat(path).st_size
-            except (OSError, ValueError, KeyError):
-                continue  # vanished or unreadable: not counted
-            files += 1
-        return files, tokens, size
+                n = int(header["token_ids"]["shape"][0])
+                held = len(json.loads((header.get("__metadata__") or {})["spans"])) if turn == CONVERSATION else 1
+                st = os.stat(path)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            yield StoredFile(key=key, turn=turn, path=path, turns=held, tokens=n, bytes=st.st_size, mtime=st.st_mtime)

@@ -30,7 +30,7 @@ import redis
 from draftfleet import redis_keys as rk
 from draftfleet.store import StoreError, check_key, check_name
 
-_CAPTURE_UNIT = re.compile(r"^[0-9a-f]{64}\.\d+\.v\d+$")
+_CAPTURE_UNIT = re.compile(r"^[0-9a-f]{64}\.(?:\d+|conversation)\.v\d+$")
 
 # KEYS: unacked, unacked_index, claim, queue; ARGV: tag, entry as read, payload to push.
 _RESTORE = """

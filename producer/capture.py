@@ -8,6 +8,11 @@ Re-running it is the resume, also after a worker died holding tasks or Redis los
 A capture version records the target model (its ``config.json`` hash), the layer ids, the
 hidden size and the dtype. Asking for other settings than the latest version's is refused unless
 ``new_version``: files made with two settings (bf16 and fp8 among them) would train a drafter on a mix.
+
+A version also records its units: ``conversation`` (``[capture] conversations``, the default) queues
+a conversation whose turns' ids prefix each other as one unit over its last turn, the others (and
+every conversation of a ``turn`` version) one unit per turn; the summary says how many went which
+way, and the first reason a conversation could not be shared.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from celery import Celery
 
 from draftfleet import redis_keys as rk
 from draftfleet.conversation import record_turns
-from draftfleet.hidden import (DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings, check_storage,
-                               measured_bytes_per_token, projected_bytes, storage_path)
+from draftfleet.hidden import (CONVERSATION, DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings,
+                               check_storage, conversation_spans, measured_bytes_per_token, projected_bytes,
+                               storage_path)
 from draftfleet.producer.enqueue import PUBLISH_BATCH, TaskSender
 from draftfleet.queues import await_lost_claims, claimed_units, waiting_ids
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import CaptureManifest, CaptureTask
+from draftfleet.schemas.records import CaptureManifest, CaptureTask, turn_name
 from draftfleet.store import Store
 from draftfleet.versions import Selection, select
 
@@ -37,7 +43,7 @@ class CaptureSummary(msgspec.Struct, kw_only=True):
     version: int
     layer_ids: list[int]
     dtype: str  # the version's: bfloat16 or float8_e4m3fn
-    units: int  # record turns of the dataset with output ids
+    units: int  # capture units (a file each): a turn, or a conversation captured once
     done: int  # of them with a file already
     queued: int
     already_queued: int
@@ -48,6 +54,12 @@ class CaptureSummary(msgspec.Struct, kw_only=True):
     bytes_per_token: float  # the version's (its files' once it has some), in its dtype
     budget_tokens_left: int | None  # answer tokens the dataset's budget has left to generate
     projected_bytes: int  # bytes_estimate plus the states of what the budget has left (with its prompts)
+    turns: int = 0  # record turns with output ids, the units hold
+    unit_kind: str = "turn"  # the version's units: "conversation" or "turn"
+    conversations_once: int = 0  # conversations of 2+ turns captured as one unit
+    conversations_per_turn: int = 0  # conversations of 2+ turns captured per turn (a conversation version)
+    per_turn_reason: str | None = None  # why, for the first of them
+    notes: list[str] = []
 
 
 def existing_version(hidden: HiddenStore, wanted: CaptureManifest, new_version: bool) -> CaptureManifest | None:
@@ -84,26 +96,38 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
     hidden = HiddenStore(store)
     wanted = CaptureManifest(dataset=dataset, version=0, model=cfg.fleet.model, model_config_sha256=model.config_sha256,
                              num_layers=model.num_layers, hidden_size=model.hidden_size, layer_ids=layer_ids,
-                             dtype=DTYPES[cfg.capture.dtype], created_at=time.time())
+                             dtype=DTYPES[cfg.capture.dtype], created_at=time.time(),
+                             units="conversation" if cfg.capture.conversations else "turn")
     existing = existing_version(hidden, wanted, new_version)
+    kind = (existing or wanted).units
     pending: list[tuple[CaptureTask, int]] = []
-    units = done = unit_tokens = completion_tokens = spent = 0
+    units = turns = done = unit_tokens = completion_tokens = spent = once = per_turn = 0
+    reason = None
     version = existing.version if existing is not None else None
     for rec in store.records(dataset):
         spent += rec.completion_tokens or len(rec.output_ids)  # the budget counts every version's records
         if not records.takes(rec):
             continue
         completion_tokens += rec.completion_tokens or len(rec.output_ids)
-        for turn, t in enumerate(record_turns(rec)):
-            if not t.output_ids:
-                continue
+        shared = conversation_spans(rec) if kind == "conversation" and rec.turns and len(rec.turns) > 1 else None
+        if isinstance(shared, str):
+            per_turn += 1
+            reason = reason or f"record {rec.key[:12]} ({rec.source}): {shared}"
+        if isinstance(shared, tuple):
+            once += 1
+            ids, spans = shared
+            work = [(CONVERSATION, len(ids), len(spans))]
+        else:
+            work = [(turn, t.prompt_tokens + len(t.output_ids), 1) for turn, t in enumerate(record_turns(rec))
+                    if t.output_ids]
+        for turn, n, held in work:
             units += 1
-            unit_tokens += t.prompt_tokens + len(t.output_ids)
+            turns += held
+            unit_tokens += n
             if version is not None and hidden.has(dataset, version, rec.key, turn):
                 done += 1
                 continue
-            pending.append((CaptureTask(dataset=dataset, key=rec.key, turn=turn, version=0),
-                            t.prompt_tokens + len(t.output_ids)))
+            pending.append((CaptureTask(dataset=dataset, key=rec.key, turn=turn, version=0), n))
     tokens = sum(n for _, n in pending)
     bpt = (measured_bytes_per_token(existing, *hidden.usage(dataset, existing.version)[1:]) if existing is not None
            else float(bytes_per_token(wanted)))
@@ -134,7 +158,7 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
             if task.unit in held:
                 running += 1
                 continue
-            sender.send(task.unit, msgspec.to_builtins(task), f"{dataset} {task.key[:12]} turn {task.turn}")
+            sender.send(task.unit, msgspec.to_builtins(task), f"{dataset} {task.key[:12]} turn {turn_name(task.turn)}")
             queued += 1
     r.delete(rk.capture_progress(dataset))
     r.hset(rk.capture_progress(dataset), mapping={
@@ -143,6 +167,13 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
         # for status' projection: bytes per token (x10), tokens to capture and captured since, tokens per answer token
         "bytes_per_token_x10": round(bpt * 10), "tokens": tokens, "captured_tokens": 0, "unit_tokens": unit_tokens,
         "completion_tokens": completion_tokens})
+    notes = []
+    if m.units != wanted.units:
+        notes.append(f"v{m.version} captures {'each turn apart' if m.units == 'turn' else 'conversations once'} as it "
+                     f"began; [capture] conversations = {str(cfg.capture.conversations).lower()} applies to a new "
+                     "version (--new-version)")
     return CaptureSummary(dataset=dataset, dataset_version=records.version, version=m.version, layer_ids=m.layer_ids,
                           dtype=m.dtype, units=units, done=done, queued=queued, already_queued=already, running=running,
-                          tokens_to_capture=tokens, bytes_estimate=need, free_bytes=free, bytes_per_token=bpt, budget_tokens_left=left, projected_bytes=projected)
+                          tokens_to_capture=tokens, bytes_estimate=need, free_bytes=free, bytes_per_token=bpt,
+                          budget_tokens_left=left, projected_bytes=projected, turns=turns, unit_kind=m.units,
+                          conversations_once=once, conversations_per_turn=per_turn, per_turn_reason=reason, notes=notes)

@@ -180,6 +180,9 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``fp8`` (float8 e4m3 with one float32 scale per token, speculators' hs-connectors layout: about
     half the bytes; README "Hidden states" has what it costs the teacher). The engine's files are
     linked into the store, so ``storage_path`` must be on the store's file system unless ``copy``.
+    ``conversations``: a new capture version takes a conversation whose every turn's prompt and answer
+    ids begin the next turn's prompt once, over its last turn (one file, the history's states not
+    computed and stored again per turn); the others stay per turn (``hidden.conversation_spans``).
     """
 
     model_path: str | None = None
@@ -188,6 +191,8 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     storage_path: str | None = None
     dtype: Literal["bf16", "fp8"] = "bf16"
     copy: bool = False  # allow a storage_path on another file system than the store (each file written twice)
+    # a new version captures a conversation whose turns' ids prefix each other once (one file), not per turn
+    conversations: bool = True
 
 
 class FleetConfig(msgspec.Struct, kw_only=True):

@@ -239,11 +239,20 @@ class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True):
     line_sha256: str | None = None
 
 
+CONVERSATION = -1  # the turn of a capture unit that is a whole conversation (hidden.py)
+
+
+def turn_name(turn: int) -> str:
+    """A capture unit's turn as files, task ids and logs name it (``CONVERSATION``: ``conversation``)."""
+    return "conversation" if turn == CONVERSATION else str(int(turn))
+
+
 class CaptureTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One hidden-state capture: the Celery payload of ``draftfleet.capture``.
 
     The unit is (record key, turn): the worker reads the stored record and feeds the engine exactly
-    its ids. At-least-once like generation; the store keeps one file per (version, key, turn).
+    its ids; turn ``CONVERSATION``: the whole conversation once (its turns' ids prefix each other).
+    At-least-once like generation; the store keeps one file per (version, key, turn).
     """
 
     dataset: str
@@ -255,7 +264,7 @@ class CaptureTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def unit(self) -> str:
         """The unit's name: its Celery task id and its claim's (``<key>.<turn>.v<version>``)."""
-        return f"{self.key}.{self.turn}.v{self.version}"
+        return f"{self.key}.{turn_name(self.turn)}.v{self.version}"
 
 
 class CaptureManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -274,6 +283,9 @@ class CaptureManifest(msgspec.Struct, frozen=True, kw_only=True):
     layer_ids: list[int]
     dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"  # float8: + a float32 scale per token
     created_at: float
+    # "conversation": a conversation whose turns' ids prefix each other is one file; "turn": a file
+    # per turn (versions made before, or [capture] conversations = false)
+    units: Literal["turn", "conversation"] = "turn"
 
 
 class EngineContract(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,7 +8,6 @@ import ast
 import json
 import socket
 import time
-from pathlib import Path
 
 import pytest
 import redis

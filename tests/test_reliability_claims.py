@@ -9,12 +9,8 @@ that ``failures`` lists and ``enqueue --retry-failed`` sends again, and a store 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import time
-from pathlib import Path
 
-import msgspec
 import pytest
 
 from draftfleet import redis_keys as rk
@@ -24,7 +20,7 @@ from draftfleet.schemas.records import Message, PromptTask
 from draftfleet.store import Store
 
 from .conftest import run_cli, wait_until, write_config, write_jsonl
-from .test_faults import CLOUD_ENV, _events, _setup, _start, _workers_up, assert_exactly_once
+from .test_faults import _events, _setup, _start, _workers_up, assert_exactly_once
 from .test_fleet import KEY_ENV, _enqueue
 
 KEY = KEY_ENV["DRAFTFLEET_TEST_KEY"]

@@ -1,7 +1,8 @@
 """The capture task: a stored record turn's exact ids through vLLM's hidden-state extraction, stored once.
 
 ``draftfleet capture`` queues one :class:`CaptureTask` per (record key, turn) that has no file in
-the dataset's capture version; ``draftfleet worker capture`` runs them against a vLLM server
+the dataset's capture version (or per conversation, captured once over its last turn, where its
+turns' ids prefix each other: ``hidden.conversation_spans``, checked again here from the record); ``draftfleet worker capture`` runs them against a vLLM server
 started with ``extract_hidden_states`` and the fleet's connector (``vllm_connector.py``). The
 prompt sent is the turn's stored prompt ids followed by its output ids, never text, with
 ``max_tokens`` 1: vLLM's prefill computes the state of every one of those tokens, and the
@@ -59,11 +60,12 @@ from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
 from draftfleet.claims import Claims
-from draftfleet.hidden import (DTYPES, HEADER_ROOM, SCALES, CaptureError, HiddenStore, TargetModel, capture_settings,
-                               check_storage, encode_safetensors, read_safetensors, record_units, rewrite_metadata,
-                               storage_path)
+from draftfleet.hidden import (CONVERSATION, DTYPES, HEADER_ROOM, SCALES, CaptureError, HiddenStore, Spans,
+                               TargetModel, capture_settings, check_storage, conversation_spans, encode_safetensors,
+                               read_safetensors, record_units, rewrite_metadata, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
-from draftfleet.schemas.records import CaptureManifest, CaptureTask, EngineContract, WorkerReport
+from draftfleet.schemas.records import (CaptureManifest, CaptureTask, EngineContract, ResponseRecord, WorkerReport,
+                                       turn_name)
 from draftfleet.store import Store, StoreError, check_key, check_name, link_once, make_dirs
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
@@ -488,28 +490,40 @@ def execute(task_self, payload: object) -> str:
     except (FileNotFoundError, msgspec.DecodeError) as exc:
         dead_letter(rt.r, queue=queue, reason=f"no readable record {task.key}: {exc}", body=payload, worker=rt.hostname)
         return "dead_letter"
-    try:
-        units = record_units(record, rt.tokenizer)
-    except CaptureError as exc:
-        dead_letter(rt.r, queue=queue, reason=str(exc), body=payload, worker=rt.hostname)
+    unit = _unit_ids(rt, task, record)
+    if isinstance(unit, str):
+        dead_letter(rt.r, queue=queue, reason=unit, body=payload, worker=rt.hostname)
         return "dead_letter"
-    if not 0 <= task.turn < len(units):
-        dead_letter(rt.r, queue=queue, reason=f"record {task.key} has no turn {task.turn}", body=payload,
-                    worker=rt.hostname)
-        return "dead_letter"
-    ids, prompt_len = units[task.turn]
+    ids, spans = unit
     token = rt.acquire(task)
     if token is None:
         return "claimed"  # another copy runs it; if its worker dies, its own message comes back
     try:
         if rt.hidden.has(task.dataset, task.version, task.key, task.turn):  # stored between our check and claim
             return "duplicate"
-        return _capture(rt, task, m, ids, prompt_len, record.source)
+        return _capture(rt, task, m, ids, spans, record.source)
     finally:
         rt.release(task, token)
 
 
-def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: list[int], prompt_len: int,
+def _unit_ids(rt: CaptureRuntime, task: CaptureTask, record: ResponseRecord) -> tuple[list[int], Spans] | str:
+    """The ids to send for the task's unit and its answers' spans in them; why not (a string) when the
+    record has no such unit: then it is dead-lettered, never captured from a guess."""
+    if task.turn == CONVERSATION:
+        shared = conversation_spans(record)
+        return shared if isinstance(shared, tuple) else (
+            f"record {task.key} is no conversation to capture once ({shared}): draftfleet capture queues its turns")
+    try:
+        units = record_units(record, rt.tokenizer)
+    except CaptureError as exc:
+        return str(exc)
+    if not 0 <= task.turn < len(units):
+        return f"record {task.key} has no turn {task.turn}"
+    ids, prompt_len = units[task.turn]
+    return ids, [(prompt_len, len(ids))]
+
+
+def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: list[int], spans: Spans,
              source: str) -> str:
     """Capture one unit with retries and store it; what happened (``stored``, ``duplicate``, ``failed``)."""
     got: Captured | None = None
@@ -528,12 +542,13 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
             except (Halt, Permanent, Transient):
                 raise
             except Exception as exc:  # a bug or an unforeseen file must not ack the unit away uncounted
-                log.exception("capture %s/%s turn %d: unexpected error", task.dataset, task.key, task.turn)
+                log.exception("capture %s/%s turn %s: unexpected error", task.dataset, task.key, turn_name(task.turn))
                 raise Transient("internal", f"{type(exc).__name__}: {exc}") from None
             failure = None
             break
         except Halt as exc:  # the server, not the unit: back to the queue for when it is fixed
-            log.error("capture %s/%s turn %d: %s; the task goes back to its queue", task.dataset, task.key, task.turn, exc)
+            log.error("capture %s/%s turn %s: %s; the task goes back to its queue", task.dataset, task.key,
+                      turn_name(task.turn), exc)
             time.sleep(INFRA_RETRY_S)
             raise Reject(str(exc), requeue=True) from None
         except Permanent as exc:
@@ -543,17 +558,18 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
             failure = exc
             if attempt < rt.cfg.fleet.max_attempts:
                 delay = backoff_s(attempt, exc.retry_after)
-                log.warning("capture %s/%s turn %d: %s; retry %d in %.1fs", task.dataset, task.key, task.turn, exc,
-                            attempt, delay)
+                log.warning("capture %s/%s turn %s: %s; retry %d in %.1fs", task.dataset, task.key,
+                            turn_name(task.turn), exc, attempt, delay)
                 time.sleep(delay)
     if failure is not None:
         _event(rt, task.dataset, "failed")
-        log.error("capture %s/%s turn %d failed: %s (a later draftfleet capture queues it again)", task.dataset,
-                  task.key, task.turn, failure)
+        log.error("capture %s/%s turn %s failed: %s (a later draftfleet capture queues it again)", task.dataset,
+                  task.key, turn_name(task.turn), failure)
         return "failed"
     assert got is not None and got.contract is not None
-    meta = {"dataset": task.dataset, "key": task.key, "turn": str(task.turn), "prompt_len": str(prompt_len),
-            "version": str(task.version), "layer_ids": ",".join(map(str, m.layer_ids)), "model": m.model,
+    meta = {"dataset": task.dataset, "key": task.key, "turn": turn_name(task.turn), "prompt_len": str(spans[0][0]),
+            "spans": json.dumps([list(sp) for sp in spans], separators=(",", ":")), "version": str(task.version),
+            "layer_ids": ",".join(map(str, m.layer_ids)), "model": m.model,
             CONTRACT_KEY: msgspec.json.encode(got.contract).decode()}
     try:
         stored = _store(rt, task, got, meta)
@@ -562,7 +578,7 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
     if not stored:
         return "duplicate"
     _event(rt, task.dataset, "captured", len(ids))
-    log.info("captured %s %s turn %d: %d tokens", task.dataset, source, task.turn, len(ids))
+    log.info("captured %s %s turn %s: %d tokens", task.dataset, source, turn_name(task.turn), len(ids))
     return "stored"
 
 

@@ -69,8 +69,9 @@ def print_inventory(invs) -> None:
                           f"({v.roundtrip_mismatched} of {v.roundtrip_checked} exact records)")
         out.print("validation: " + ", ".join(checks), highlight=False)
         if (h := inv.hidden_states) is not None:
-            out.print(f"hidden states v{h.version} (layers {h.layer_ids}, {h.dtype}): {h.files:,} of {h.units:,} turns "
-                      f"captured, {h.tokens:,} tokens, {h.bytes / 1e9:,.3f} GB ({h.bytes_per_token:,.0f} B/token); "
+            held = f" in {h.files:,} files" if h.files != h.turns else ""
+            out.print(f"hidden states v{h.version} (layers {h.layer_ids}, {h.dtype}): {h.turns:,} of {h.units:,} turns "
+                      f"captured{held}, {h.tokens:,} tokens, {h.bytes / 1e9:,.3f} GB ({h.bytes_per_token:,.0f} B/token); "
                       f"the rest and the budget left: about {h.projected_bytes / 1e9:,.2f} GB more", highlight=False)
         if v.roundtrip_mismatch_share is not None:
             out.print(f"  round-trip mismatch share: {ROUNDTRIP_MEANING}", highlight=False)

@@ -1,9 +1,11 @@
 """Exports of the captured hidden states (``-f speculators``, ``-f specforge``), behind ``draftfleet export``.
 
-Rows are the record turns that have a file in the capture version (the latest by default), in
+Rows are the capture units that have a file in the capture version (the latest by default), in
 the order of the other exports (by source file, then line, then key; turns in order), so row i of
-each format is the same sample. The ids and loss mask are the file's own token ids and the stored
-prompt length (loss 0 on the prompt, 1 on the answer), never re-rendered. Turns without a file
+each format is the same sample: a record turn, or a conversation captured once (id ``<key>``, what
+both trainers take for a multi-turn sample: the whole sequence with the loss mask over every
+answer). The ids and loss mask are the file's own token ids and the answers' spans stored with it
+(loss 0 on prompts and later user turns, 1 on the answers), never re-rendered. Turns without a file
 are counted as missing, not exported. Output folders: ``<out>/<dataset>.speculators/`` and
 ``<out>/<dataset>.specforge/``.
 
@@ -31,7 +33,6 @@ import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -41,7 +42,8 @@ import msgspec
 from draftfleet.conversation import record_turns
 from draftfleet.export import ExportError, _order, _selection
 from draftfleet.export import specforge, speculators, torch_files
-from draftfleet.hidden import HiddenStore, TargetModel, encode_safetensors, read_safetensors
+from draftfleet.hidden import (CONVERSATION, HiddenStore, Spans, TargetModel, encode_safetensors, file_spans, loss_mask,
+                               read_safetensors)
 from draftfleet.schemas.records import GenerationSettings
 from draftfleet.store import Store
 from draftfleet.versions import Selection
@@ -96,6 +98,9 @@ class FeaturesManifest(msgspec.Struct, kw_only=True):
     rows: int
     tokens: int
     missing: int  # record turns with output ids but no captured file (run draftfleet capture)
+    units: str = "turn"  # the capture version's: "conversation" (a conversation whose turns prefix each other is one row)
+    conversation_rows: int = 0  # rows that are a whole conversation (id <key>, the loss mask over every answer)
+    per_turn_conversations: int = 0  # conversations of 2+ turns exported a row per turn (id <key>_gen<turn>)
     folders: dict[str, str]
     draft_vocab_size: int  # SpecForge's vocab mapping (speculators' trainer picks its own from token_freq.pt)
     trained_tokens: int  # loss-masked positions, the ones the vocabulary files count
@@ -107,25 +112,34 @@ DRAFT_VOCAB_SIZE = 32000  # the trainers' usual reduced draft vocabulary
 
 
 def _rows(store: Store, dataset: str, version: int,
-          chosen: Selection) -> tuple[list[tuple[str, list[int], list[int], str, int]], int]:
-    """(id, ids, loss mask, file, prompt length) per captured turn of the chosen records, in export
-    order; and how many lack a file."""
+          chosen: Selection) -> tuple[list[tuple[str, list[int], list[int], str, Spans]], int, list[str]]:
+    """(id, ids, loss mask, file, answer spans) per captured unit of the chosen records, in export
+    order: a conversation captured once is one row (id ``<key>``, the mask over every answer), else
+    a row per turn; how many turns lack a file; the conversations of 2+ turns captured per turn."""
     hidden = HiddenStore(store)
-    rows, missing = [], 0
+    rows, missing, per_turn = [], 0, []
     for rec in sorted(filter(chosen.takes, store.records(dataset)), key=_order):
-        for turn, t in enumerate(record_turns(rec)):
-            if not t.output_ids:
-                continue
-            path = hidden.path(dataset, version, rec.key, turn)
-            if not path.exists():
-                missing += 1
-                continue
+        whole = hidden.path(dataset, version, rec.key, CONVERSATION)
+        if rec.turns and whole.exists():
+            units = [(rec.key, whole)]
+        else:
+            if rec.turns and len(rec.turns) > 1:
+                per_turn.append(rec.key)
+            units = []
+            for turn, t in enumerate(record_turns(rec)):
+                path = hidden.path(dataset, version, rec.key, turn)
+                if not t.output_ids:
+                    continue
+                if not path.exists():
+                    missing += 1
+                    continue
+                units.append((f"{rec.key}_gen{turn}" if rec.turns else rec.key, path))
+        for rid, path in units:
             tensors, meta = read_safetensors(path, ("token_ids",))  # the ids; the states stay on disk
             ids = tensors["token_ids"][1].tolist()
-            prompt_len = int(meta["prompt_len"])
-            rid = f"{rec.key}_gen{turn}" if rec.turns else rec.key
-            rows.append((rid, ids, [0] * prompt_len + [1] * (len(ids) - prompt_len), str(path), prompt_len))
-    return rows, missing
+            spans = file_spans(meta, len(ids), path)
+            rows.append((rid, ids, loss_mask(len(ids), spans), str(path), spans))
+    return rows, missing, per_turn
 
 
 def token_counts(rows: list) -> Counter:
@@ -154,7 +168,7 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
     if m is None:
         raise ExportError(f"{dataset}: no captured hidden states" + (f" in version {version}" if version else "")
                           + ": run draftfleet capture and a capture worker first")
-    rows, missing = _rows(store, dataset, m.version, chosen)
+    rows, missing, per_turn = _rows(store, dataset, m.version, chosen)
     counts = sorted(token_counts(rows).items())
     layers = layer_contract(m, formats, chat_template_sha256)
     out = Path(out_dir)
@@ -190,12 +204,17 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
                                  "draft": draft, "target": model.vocab_size}
         notes.append(f"SpecForge: set model.vocab_mapping_path to {plan['vocab_mapping']['out']} (draft vocabulary "
                      f"{draft}) and a draft config with draft_vocab_size {draft}")
+    if m.units == "conversation" and per_turn:
+        notes.append(f"{len(per_turn)} conversation(s) are rows per turn (id <key>_gen<turn>), not one row: their "
+                     "turns' ids do not prefix each other (the template rewrites the history, e.g. blanks earlier "
+                     "reasoning, or an answer re-renders to other ids); draftfleet capture --json names the first "
+                     f"reason (first: {per_turn[0]})")
     with tempfile.TemporaryDirectory(prefix="draftfleet-norm-") as tmp:
         if "specforge" in formats:
             norm = Path(tmp) / "norm.safetensors"
             norm.write_bytes(encode_safetensors({"weight": ("F32", model.final_norm_weight())}, {}))
             plan["specforge"] = {"norm": str(norm), "eps": model.rms_norm_eps, "samples": [
-                {"hs": r[3], "out": specforge.sample_path(str(folder), i), "prompt_len": r[4]}
+                {"hs": r[3], "out": specforge.sample_path(str(folder), i), "spans": r[4]}
                 for i, r in enumerate(rows)]}
         if plan:
             _run_torch(plan, torch_python)
@@ -203,7 +222,9 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
                                 capture_version=m.version, layer_ids=m.layer_ids, model=m.model,
                                 dtype=m.dtype, rows=len(rows), tokens=sum(len(r[1]) for r in rows), missing=missing,
                                 folders=folders, draft_vocab_size=draft, trained_tokens=sum(n for _, n in counts),
-                                layers=layers, notes=notes)
+                                layers=layers, notes=notes, units=m.units,
+                                conversation_rows=sum(r[3].endswith(".conversation.safetensors") for r in rows),
+                                per_turn_conversations=len(per_turn))
     (out / f"{dataset}.features.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
     return manifest
 

@@ -17,7 +17,7 @@ The counts come from the fleet (the loss-masked positions of the exported rows).
 imports nothing of the fleet: the export runs it in-process where torch is importable, else as a
 script with another interpreter that has torch and safetensors (``--torch-python``), given the
 plan as JSON on stdin: ``{"specforge"?: {"norm": <F32 safetensors file with "weight">, "eps",
-"samples": [{"hs", "out", "prompt_len"}]}, "vocab_mapping"?: {"out", "counts": [[id, n], ..],
+"samples": [{"hs", "out", "spans": [[start, end], ..]}]}, "vocab_mapping"?: {"out", "counts": [[id, n], ..],
 "draft", "target"}, "token_freq"?: {"out", "counts"}}``.
 """
 
@@ -52,7 +52,8 @@ def write_samples(spec: dict) -> int:
             hs = hs.to(torch.bfloat16) * data[SCALES].to(torch.bfloat16)
         t = ids.shape[0]
         mask = torch.zeros(t, dtype=torch.int64)
-        mask[int(s["prompt_len"]):] = 1
+        for start, end in s["spans"]:  # each answer's positions (a conversation's: every turn's)
+            mask[int(start):int(end)] = 1
         last = hs[:, -1].float()
         normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * weight
         _save({

@@ -75,8 +75,9 @@ class HiddenInventory(msgspec.Struct, kw_only=True):
 
     version: int
     layer_ids: list[int]
-    units: int  # record turns of the dataset (each gets one file)
+    units: int  # record turns of the dataset
     files: int
+    turns: int = 0  # record turns the files hold (a conversation captured once: all of its turns)
     tokens: int
     bytes: int
     dtype: str = "bfloat16"
@@ -382,11 +383,13 @@ def _hidden_inventory(store: Store, inv: DatasetInventory) -> HiddenInventory | 
     m = hidden.manifest(inv.dataset)
     if m is None:
         return None
-    files, tokens, size = hidden.usage(inv.dataset, m.version)
+    files, turns, tokens, size = hidden.turn_usage(inv.dataset, m.version)
     bpt = measured_bytes_per_token(m, tokens, size)
-    fed = inv.prompt_tokens + inv.completion_tokens  # summed over a conversation's turns, as capture feeds them
-    return HiddenInventory(version=m.version, layer_ids=m.layer_ids, units=inv.turns, files=files, tokens=tokens,
-                           bytes=size, dtype=m.dtype, bytes_per_token=bpt,
+    fed = inv.prompt_tokens + inv.completion_tokens  # summed over a conversation's turns, as per-turn capture feeds them
+    if m.units == "conversation" and turns:  # conversations captured once feed fewer: as many a turn as so far
+        fed = max(tokens, round(tokens * inv.turns / turns))
+    return HiddenInventory(version=m.version, layer_ids=m.layer_ids, units=inv.turns, files=files, turns=turns,
+                           tokens=tokens, bytes=size, dtype=m.dtype, bytes_per_token=bpt,
                            projected_bytes=projected_bytes(bpt, fed - tokens, inv.remaining_tokens, fed,
                                                            inv.completion_tokens))
 

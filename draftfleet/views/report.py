@@ -279,14 +279,15 @@ def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, s
     m = hidden.manifest(dataset)
     if m is None:
         return None, "no hidden-state capture for this dataset"
-    files, ntokens, size = hidden.usage(dataset, m.version)
-    times = sorted(os.stat(path).st_mtime for _key, _turn, path in hidden.files(dataset, m.version))
-    text = (f"v{m.version} (layers {m.layer_ids}): {files:,} of {units:,} turns captured, {ntokens:,} tokens, "
+    held = sorted((e.mtime, e.turns, e.tokens, e.bytes) for e in hidden.entries(dataset, m.version))
+    times = [h[0] for h in held]
+    turns, ntokens, size = (sum(h[i] for h in held) for i in (1, 2, 3))
+    text = (f"v{m.version} (layers {m.layer_ids}): {turns:,} of {units:,} turns captured, {ntokens:,} tokens, "
             f"{size / 1e9:,.3f} GB" + (f" ({size / ntokens:,.0f} B/token)" if ntokens else ""))
     if not times:
         return None, text
     fig, ax = _figure(2.8)
-    t, y = _binned_cumulative(times, [1.0] * len(times))
+    t, y = _binned_cumulative(times, [float(h[1]) for h in held])  # a conversation's file: all its turns
     ax.step(_times(t, times[0]), y, where="post", label="captured turns")
     ax.axhline(units, color="grey", linestyle="--", label=f"{units:,} record turns")
     ax.set_xlabel("hours since the first capture")
