@@ -17,6 +17,7 @@ from draftfleet.hidden import HiddenStore, encode_safetensors
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import CaptureManifest, DatasetEvent, FailureRecord, PromptTask, QuarantineEntry
 from draftfleet.store import Store
+from draftfleet.views.report import TimeAxis
 
 from tests.conftest import run_cli
 from tests.test_plan import record, seed_config, seed_records
@@ -77,6 +78,30 @@ def test_report_is_one_self_contained_file(tmp_path, tokenizer_dir):
     assert "openrouter cap $20.00" in text and "quarantined: bad_json" in text and "failed: moderation" in text
     assert "tokens left" in text and "13h08m" not in text  # the plan: the GPU's 13 h are for the rest
     assert "40 of 2,046 turns captured, 400 tokens" in text
+    # 19 hours of records read in hours, with the total drawn over two backends; 40 captures in under a second
+    assert text.count("hours since the first record") == 2 and "all backends (total)" in text
+    assert "seconds since the first capture" in text
+
+
+def test_a_time_axis_reads_in_the_unit_its_span_holds_two_of():
+    assert [TimeAxis(100.0, 100.0 + span).unit for span in (0, 119, 120, 7199, 7200, 5 * 86400)] == [
+        "seconds", "seconds", "minutes", "minutes", "hours", "hours"]
+    assert TimeAxis(100.0, 1900.0).xs([100.0, 1000.0, 1900.0]) == [0.0, 15.0, 30.0]
+
+
+def test_a_short_run_on_one_backend_reads_in_minutes_as_one_line(tmp_path, tokenizer_dir):
+    """Half an hour of one backend: its axis in minutes (not 0 to 0.5 hours), no total over its line."""
+    config = seed_config(tmp_path, tokenizer_dir)
+    store = Store(load_config(config).fleet.store)
+    now = time.time()
+    for i in range(200):
+        assert store.put(record(f"{i:064x}", "B3_magicoder", 500 + i, created_at=now - 1800 + 9 * i, latency_s=5.0))
+    out = tmp_path / "run.html"
+    cp = run_cli("report", "--config", str(config), "--out", str(out))
+    assert cp.returncode == 0, cp.stderr
+    text = re.sub(r"<[^>]+>", " ", out.read_text())
+    assert "minutes since the first record" in text and "hours since" not in text
+    assert "all backends (total)" not in text
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs the chromium OS package (.ci/run installs it)")

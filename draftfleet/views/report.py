@@ -165,8 +165,25 @@ def _label(backend: str, imported: bool) -> str:
     return f"{backend} (imported)" if imported else backend
 
 
-def _times(values: list[float], t0: float) -> list[float]:
-    return [(v - t0) / 3600 for v in values]
+# A time axis reads in the largest unit its span holds at least two of (under 2 h: minutes; under 2 min: seconds).
+_TIME_UNITS = ((3600.0, "hours"), (60.0, "minutes"), (1.0, "seconds"))
+
+
+class TimeAxis:
+    """Every time chart's x-axis: times as offsets from ``t0``, in the unit that suits ``t0``..``end``."""
+
+    def __init__(self, t0: float, end: float):
+        self.t0, self.end = t0, end
+        self.seconds, self.unit = next(((s, u) for s, u in _TIME_UNITS if end - t0 >= 2 * s), _TIME_UNITS[-1])
+
+    def x(self, at: float) -> float:
+        return (at - self.t0) / self.seconds
+
+    def xs(self, values: list[float]) -> list[float]:
+        return [self.x(v) for v in values]
+
+    def label(self, ax, since: str) -> None:
+        ax.set_xlabel(f"{self.unit} since {since}")
 
 
 def length_histogram(c: Columns, max_tokens: int | None) -> str:
@@ -207,42 +224,42 @@ def _binned_cumulative(at: list[float], values: list[float]) -> tuple[list[float
     return t.tolist(), y.tolist()
 
 
-def tokens_over_time(c: Columns, events: list, budget: int | None, t0: float) -> str:
+def tokens_over_time(c: Columns, events: list, budget: int | None, axis: TimeAxis) -> str:
     fig, ax = _figure(3.6)
     groups = sorted({(b, i) for b, i in zip(c.backend, c.imported)})
     for b, imp in groups:
         sel = [k for k in range(len(c.at)) if c.backend[k] == b and c.imported[k] == imp]
         t, y = _binned_cumulative([c.at[k] for k in sel], [c.tokens[k] for k in sel])
-        ax.step(_times(t, t0), y, where="post", label=_label(b, imp))
+        ax.step(axis.xs(t), y, where="post", label=_label(b, imp))
     t, y = _binned_cumulative(c.at, c.tokens)
-    if len(groups) > 1:
-        ax.step(_times(t, t0), y, where="post", color="black", linewidth=1, label="all backends")
-    end = max([*c.at, *(e.at for e in events), t0]) if c.at or events else t0
+    if len(groups) > 1:  # dashed, on top: where one backend ran alone the two lines coincide and both show
+        ax.step(axis.xs(t), y, where="post", color="black", linewidth=1, linestyle=(0, (4, 3)),
+                label="all backends (total)")
     steps = [(e.at, e.budget_tokens) for e in events if e.kind == "budget"]
     if steps:
         xs, ys = [], []
         for at, b in steps:
             if b is not None:
-                xs.append((at - t0) / 3600)
+                xs.append(axis.x(at))
                 ys.append(b)
         if xs:
-            ax.step([*xs, (end - t0) / 3600], [*ys, ys[-1]], where="post", color="grey", linestyle="--",
+            ax.step([*xs, axis.x(axis.end)], [*ys, ys[-1]], where="post", color="grey", linestyle="--",
                     label="budget (as enqueued)")
     elif budget:
         ax.axhline(budget, color="grey", linestyle="--", label=f"budget {tokens(budget)}")
     for e in events:
         if e.kind == "assign":
-            ax.axvline((e.at - t0) / 3600, color="purple", linestyle=":")
-            ax.annotate(f"{e.note}: {'+'.join(e.assigned or []) or 'nobody'}", ((e.at - t0) / 3600, 0),
+            ax.axvline(axis.x(e.at), color="purple", linestyle=":")
+            ax.annotate(f"{e.note}: {'+'.join(e.assigned or []) or 'nobody'}", (axis.x(e.at), 0),
                         xycoords=("data", "axes fraction"), rotation=90, fontsize="small", va="bottom",
                         ha="right", color="purple")
-    ax.set_xlabel("hours since the first record")
+    axis.label(ax, "the first record")
     ax.set_ylabel("completion tokens (cumulative)")
     ax.legend(fontsize="small", loc="upper left")
     return _svg(fig)
 
 
-def spend_over_time(c: Columns, caps: dict[str, float | None], t0: float) -> str | None:
+def spend_over_time(c: Columns, caps: dict[str, float | None], axis: TimeAxis) -> str | None:
     clouds = sorted({b for b, k in zip(c.backend, c.kind) if k == "cloud"} | set(caps))
     if not any(k == "cloud" for k in c.kind):
         return None
@@ -251,10 +268,10 @@ def spend_over_time(c: Columns, caps: dict[str, float | None], t0: float) -> str
         sel = [k for k in range(len(c.at)) if c.backend[k] == b]
         t, y = _binned_cumulative([c.at[k] for k in sel], [c.cost[k] for k in sel])
         if t:
-            ax.step(_times(t, t0), y, where="post", label=f"{b}: ${y[-1]:,.2f}")
+            ax.step(axis.xs(t), y, where="post", label=f"{b}: ${y[-1]:,.2f}")
         if caps.get(b) is not None:
             ax.axhline(caps[b], linestyle="--", color="red", label=f"{b} cap ${caps[b]:,.2f} (all datasets)")
-    ax.set_xlabel("hours since the first record")
+    axis.label(ax, "the first record")
     ax.set_ylabel("USD (cumulative, this dataset)")
     ax.legend(fontsize="small", loc="upper left")
     return _svg(fig)
@@ -288,9 +305,10 @@ def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, s
         return None, text
     fig, ax = _figure(2.8)
     t, y = _binned_cumulative(times, [float(h[1]) for h in held])  # a conversation's file: all its turns
-    ax.step(_times(t, times[0]), y, where="post", label="captured turns")
+    axis = TimeAxis(times[0], times[-1])
+    ax.step(axis.xs(t), y, where="post", label="captured turns")
     ax.axhline(units, color="grey", linestyle="--", label=f"{units:,} record turns")
-    ax.set_xlabel("hours since the first capture")
+    axis.label(ax, "the first capture")
     ax.set_ylabel("turns")
     ax.legend(fontsize="small", loc="upper left")
     return _svg(fig), text
@@ -341,6 +359,7 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
     p = plan(store_figures(c, dataset, budget, prompt_keys)) if plan is not None else None
     events = store.events(dataset)
     t0 = min([*c.at, *(e.at for e in events)], default=time.time())
+    axis = TimeAxis(t0, max([*c.at, *(e.at for e in events)], default=t0))  # tokens' and spend's, alike
     total = sum(c.tokens)
     cut = sum(c.truncated)
     summary = (f"{len(c.tokens):,} responses, {total:,} completion tokens"
@@ -355,9 +374,10 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
         return "".join(parts)
     parts.append(_chart("completion length per backend", length_histogram(c, max_tokens),
                         "a spike at the red line is answers cut at max_tokens"))
-    parts.append(_chart("tokens over time per backend", tokens_over_time(c, events, budget, t0),
-                        "dotted lines: pivots and drains (the assignment after); dashed: the budget"))
-    spend = spend_over_time(c, caps, t0)
+    parts.append(_chart("tokens over time per backend", tokens_over_time(c, events, budget, axis),
+                        "dotted lines: pivots and drains (the assignment after); grey dashes: the budget; "
+                        "black dashes: all backends"))
+    spend = spend_over_time(c, caps, axis)
     parts.append(_chart("cloud spend over time", spend, "" if spend else "no cloud records"))
     failures: dict[str, int] = {}
     for f in store.failures(dataset):
