@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
+
 from draftfleet.cli.common import add_common, add_version, config, each_dataset, out, sender
 
 
@@ -23,7 +25,8 @@ def cmd_capture(args) -> int:
         return status
     for c in summaries:
         of = f"version {c.dataset_version}" if c.dataset_version is not None else "every version"
-        out.print(f"{c.dataset} ({of}) capture v{c.version} (layers {c.layer_ids}, {c.dtype}): {c.units:,} record turns, {c.done:,} "
+        held = f"{c.units:,} units ({c.turns:,} record turns)" if c.units != c.turns else f"{c.units:,} record turns"
+        out.print(f"{c.dataset} ({of}) capture v{c.version} (layers {c.layer_ids}, {c.dtype}): {held}, {c.done:,} "
                   f"captured, {c.queued:,} queued ({c.already_queued:,} already queued, {c.running:,} being captured); "
                   f"{c.tokens_to_capture:,} "
                   f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB ({c.bytes_per_token:,.0f} B/token) of "
@@ -32,6 +35,12 @@ def cmd_capture(args) -> int:
             out.print(f"  with the {c.budget_tokens_left:,} answer tokens its budget has left: about "
                       f"{c.projected_bytes / 1e9:,.2f} GB" + (" [yellow]more than the free space[/]"
                                                               if c.projected_bytes > c.free_bytes else ""))
+        if c.conversations_once or c.conversations_per_turn:
+            out.print(f"  conversations: {c.conversations_once:,} captured once (their turns' ids prefix each other), "
+                      f"{c.conversations_per_turn:,} per turn" + (f"; first: {escape(c.per_turn_reason)}"
+                                                                   if c.per_turn_reason else ""), highlight=False)
+        for note in c.notes:
+            out.print(f"  [yellow]note[/] {escape(note)}", highlight=False)
     return status
 
 
