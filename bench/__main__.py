@@ -25,7 +25,7 @@ FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
     "vllm": ("vllm_concurrency", "vllm_warmup", "vllm_window", "vllm_max_tokens", "vllm_prompts", "vllm_repeats"),
     "capture": ("capture_concurrency", "capture_warmup", "capture_window", "capture_answer", "capture_units",
-                "capture_alone_units", "capture_repeats"),
+                "capture_alone_units", "capture_repeats", "capture_conversations"),
     "overhead": ("overhead_tasks", "overhead_inflight"),
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
     "report": ("report_records", "repeats"),
@@ -73,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--capture-units", type=int, default=1500, help="units available to each side-by-side run")
     g.add_argument("--capture-alone-units", type=int, default=100, help="units captured to the end, alone")
     g.add_argument("--capture-repeats", type=int, default=2, help="runs of each kind, alternating")
+    g.add_argument("--capture-conversations", type=int, default=60,
+                   help="three-turn conversations captured once and per turn (0: skip)")
     g = p.add_argument_group("overhead")
     g.add_argument("--overhead-tasks", type=int, default=2000)
     g.add_argument("--overhead-inflight", type=_ints, default=[16, 128])
@@ -125,7 +127,8 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
     if name == "capture":
         return capture.run(folder, concurrency=args.capture_concurrency, warmup=args.capture_warmup,
                            window=args.capture_window, answer=args.capture_answer, units=args.capture_units,
-                           alone_units=args.capture_alone_units, repeats=args.capture_repeats)
+                           alone_units=args.capture_alone_units, repeats=args.capture_repeats,
+                           conversations=args.capture_conversations)
     if name == "overhead":
         return overhead.run(folder, tasks=args.overhead_tasks, inflight=args.overhead_inflight)
     if name == "inventory":

