@@ -213,7 +213,8 @@ def conversation_spans(rec: ResponseRecord) -> tuple[list[int], Spans] | str:
         if len(seq) > len(nxt) or nxt[: len(seq)] != seq:
             at = next((i for i, (a, b) in enumerate(zip(seq, nxt)) if a != b), min(len(seq), len(nxt)))
             why = ("the history is rendered otherwise than it was asked" if at < len(t.prompt_ids) else
-                   "earlier reasoning rewritten by the template" if t.reasoning else
+                   "the template rewrites the earlier answer (its reasoning or think block blanked or dropped)"
+                   if t.reasoning or at == len(t.prompt_ids) else
                    "the answer re-renders to other ids than were generated")
             return f"turn {k + 1}'s prompt differs from turn {k}'s prompt and answer at id {at}: {why}"
     last = turns[-1]

@@ -45,12 +45,13 @@ def test_a_conversation_is_shared_only_where_each_turn_begins_the_next():
     assert ids == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] and spans == [(2, 4), (6, 7), (8, 11)]
     assert loss_mask(len(ids), spans) == [0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1]
     # the answer re-rendered to other ids (a word the model wrote in two pieces the tokenizer merges)
-    rerendered = _record("bb" * 32, turns=[_turn([1, 2], [3, 4]), _turn([1, 2, 34, 5], [7])])
-    assert conversation_spans(rerendered) == ("turn 1's prompt differs from turn 0's prompt and answer at id 2: the "
+    rerendered = _record("bb" * 32, turns=[_turn([1, 2], [3, 4, 5]), _turn([1, 2, 3, 45, 6], [7])])
+    assert conversation_spans(rerendered) == ("turn 1's prompt differs from turn 0's prompt and answer at id 3: the "
                                               "answer re-renders to other ids than were generated")
     # a template that blanks earlier reasoning (Kimi-K2.5): the next prompt lacks what the model wrote
     thinking = _record("cc" * 32, turns=[_turn([1, 2], [90, 91, 3, 4], reasoning="r"), _turn([1, 2, 3, 4, 5], [7])])
-    assert conversation_spans(thinking).endswith("at id 2: earlier reasoning rewritten by the template")
+    assert conversation_spans(thinking).endswith("at id 2: the template rewrites the earlier answer (its reasoning or "
+                                                 "think block blanked or dropped)")
     history = _record("dd" * 32, turns=[_turn([1, 2], [3]), _turn([1, 9, 3, 5], [7])])
     assert conversation_spans(history).endswith("at id 1: the history is rendered otherwise than it was asked")
     assert conversation_spans(_record("ee" * 32, output_ids=[3, 4])) == "a single turn"
@@ -174,3 +175,43 @@ def test_conversations_captured_once_and_per_turn_and_exported_with_every_answer
         assert [list(s) for s in sample["spans"]] == spans
         answered += sum(row["loss_mask"])
     assert answered == got.trained_tokens == sum(len(t.output_ids) for rec in records.values() for t in record_turns(rec))
+
+
+def _conversation(tok, answers: list[tuple[str, str | None]]):
+    """A conversation as the fleet builds one: each turn's prompt the template's render of the history
+    with the earlier answers, each answer the model's own ids for its text and reasoning."""
+    from draftfleet.conversation import history
+    from draftfleet.schemas.records import Message
+
+    messages = []
+    for k in range(len(answers)):
+        messages += [Message("user", f"question {k}: write a function"), Message("assistant", "")]
+    turns: list[Turn] = []
+    for text, reasoning in answers:
+        prompt = tok.prompt_ids(history(messages, turns))
+        out = tok.completion_ids(history(messages, turns), text, reasoning, stopped=True)
+        turns.append(msgspec.structs.replace(_turn(prompt, out, reasoning), text=text))
+    return _record("ab" * 32, messages=messages, turns=turns)
+
+
+@pytest.mark.parametrize("fixture, reasoning, shared", [
+    ("tokenizer_dir", None, True),  # ChatML keeps the history as the model wrote it
+    ("qwen3_tokenizer_dir", None, False),  # Qwen3 drops the think block of earlier answers, even an empty one
+    ("qwen3_tokenizer_dir", "first I think", False),
+    ("kimi_tokenizer_dir", None, True),  # Kimi-K2.5 without reasoning: <think></think> as written
+    ("kimi_tokenizer_dir", "first I think", False),  # Kimi-K2.5 blanks earlier reasoning: <think></think>
+])
+def test_real_templates_decide_which_conversations_are_captured_once(request, fixture, reasoning, shared):
+    from draftfleet.tokenizer import TargetTokenizer
+
+    folder = request.getfixturevalue(fixture)
+    kimi = fixture == "kimi_tokenizer_dir"
+    tok = TargetTokenizer(str(folder), use_fast=not kimi, trust_remote_code=kimi)
+    rec = _conversation(tok, [("a first answer.", reasoning), ("a second one.", reasoning), ("and a third.", None)])
+    got = conversation_spans(rec)
+    if shared:
+        ids, spans = got
+        assert ids == rec.turns[-1].prompt_ids + rec.turns[-1].output_ids
+        assert [ids[a:b] for a, b in spans] == [t.output_ids for t in rec.turns]
+    else:
+        assert isinstance(got, str) and "the template rewrites the earlier answer" in got, got
