@@ -138,7 +138,7 @@ def test_cost_to_finish_is_zero_when_no_prompts_remain(tmp_path, tokenizer_dir):
     inv = run_inventory(cfg.fleet.store, cfg)[0]
     # one prompt left: its cost, not the budget's 99,850 tokens' worth
     assert inv.prompts_left == 1 and inv.remaining_tokens == 100000 - 150
-    assert inv.cost_to_finish_usd["cloudy"] == round((50 * 2.0 + 7 * 1.0) / 1e6, 2)
+    assert inv.cost_to_finish_usd["cloudy"] == round((50 * 2.0 + 7 * 1.0) / 1e6, 4) == 0.0001  # not rounded to 0
     put(3)
     inv = run_inventory(cfg.fleet.store, cfg)[0]
     assert inv.prompts_left == 0 and inv.cost_to_finish_usd == {"cloudy": 0.0}

@@ -98,7 +98,7 @@ def test_plan_reproduces_the_seeds_arithmetic(tmp_path, redis_server, tokenizer_
     assert abs(gpu["tokens_per_s"] - GPU_TPS) < 0.5
     assert abs(gpu["time_s"] / 3600 - 13.1) < 0.1 and gpu["cost_usd"] == 0  # 4,258,068 / 90 s = 13.14 h
     assert (cloud["backend"], cloud["price_source"], cloud["usd_per_mtok"]) == ("openrouter", "configured", 2.5)
-    assert cloud["cost_usd"] == 10.65 and cloud["time_s"] is None and cloud["rate_source"] == "not measured"
+    assert cloud["cost_usd"] == 10.6452 and cloud["time_s"] is None and cloud["rate_source"] == "not measured"
     assert plan["eta_s"] is None and plan["stalled"] == "no live cloud or gpu worker"
 
     cp = run_cli("plan", "--config", str(config), "--redis-url", redis_server.url)
@@ -116,7 +116,7 @@ def test_plan_reproduces_the_seeds_arithmetic(tmp_path, redis_server, tokenizer_
     snap = snapshot(cfg, r, ["B3_magicoder"])
     (p,) = snap.plans
     assert p.remaining_tokens == SEED_LEFT and abs(p.sides[0].tokens_per_s - GPU_TPS) < 0.5
-    assert p.sides[0].rate_source == "run's mean" and p.sides[1].cost_usd == 10.65
+    assert p.sides[0].rate_source == "run's mean" and p.sides[1].cost_usd == 10.6452
     assert snap.datasets[0].eta_s is None and snap.datasets[0].stalled == "no live cloud or gpu worker"
 
 
@@ -129,12 +129,33 @@ def test_measured_cloud_price_and_both_sides_at_once():
     p = plan_dataset("B3", responses=SEED_RESPONSES, completion_tokens=SEED_TOKENS, budget_tokens=SEED_BUDGET,
                      prompts_left=None, measures=measures, assigned={"gpu", "cloud"}, workers_known=False)
     gpu, cloud = p.sides
-    assert (cloud.usd_per_mtok, cloud.price_source, cloud.cost_usd) == (2.5, "measured", 10.65)
+    assert (cloud.usd_per_mtok, cloud.price_source, cloud.cost_usd) == (2.5, "measured", 10.6452)
     assert cloud.time_s == round(SEED_LEFT / 2000) and gpu.time_s == round(SEED_LEFT / 90)
     both = p.at_once
     assert both.tokens_per_s == 2090.0 and both.time_s == round(SEED_LEFT / 2090)
-    assert both.cost_usd == round(SEED_LEFT * 2000 / 2090 * 2.5 / 1e6, 2)
+    assert both.cost_usd == round(SEED_LEFT * 2000 / 2090 * 2.5 / 1e6, 4)
     assert p.eta_s is None and p.stalled is None  # no worker reports read: neither an ETA nor a stall
+
+
+def test_a_small_runs_cost_is_not_rounded_to_zero():
+    """2,000 tokens left at $2.5/Mtok cost half a cent: the plan keeps it and shows four decimals
+    under a dollar (as inventory shows spend), not ``0.00``; so for a price under a dollar per Mtok."""
+    from rich.console import Console
+
+    from draftfleet.views.plan import render_plans
+
+    measures = [BackendMeasure(backend="openrouter", kind="cloud", window_tps=100.0, producing=True,
+                               provider_tokens=8000, provider_cost_usd=0.02),
+                BackendMeasure(backend="cheap", kind="cloud", configured_usd_per_mtok=0.5)]
+    p = plan_dataset("tiny", responses=10, completion_tokens=8000, budget_tokens=10_000, prompts_left=None,
+                     measures=measures, assigned={"cloud"}, workers_known=False)
+    sides = {s.backend: s for s in p.sides}
+    assert sides["openrouter"].cost_usd == 0.005 and sides["cheap"].cost_usd == 0.001
+    console = Console(width=120, record=True, file=open("/dev/null", "w"))
+    console.print(render_plans([p]))
+    text = console.export_text()
+    assert "0.0050" in text and "0.0010" in text and "$0.5000/Mtok configured" in text, text
+    assert "0.00 " not in text, text
 
 
 def _report(r, hostname: str, kind: str, backend: str, datasets: list[str], paused: str | None = None) -> None:

@@ -19,14 +19,9 @@ def with_plans(args, cfg, invs) -> list:
     return [msgspec.structs.replace(inv, plan=p) for inv, p in zip(invs, plans(cfg, invs, fleet_redis(args, cfg)))]
 
 
-def _usd(x: float) -> str:
-    """Cents from a dollar up; below it four decimals, so a small run's spend does not read as 0.00."""
-    return f"{x:,.2f}" if x >= 1 else f"{x:.4f}"
-
-
 def print_inventory(invs) -> None:
     from draftfleet.views.inventory import ROUNDTRIP_MEANING
-    from draftfleet.views.plan import render_plans
+    from draftfleet.views.plan import render_plans, usd
 
     for inv in invs:
         of = f"version {inv.version}" if inv.version is not None else "every version"
@@ -42,8 +37,8 @@ def print_inventory(invs) -> None:
         for s in inv.by_source:
             theirs = (f"{s.provider_completion_tokens:,}", f"{s.provider_difference:+,}") if s.provider_responses else ("-", "-")
             table.add_row(s.backend, s.backend_kind, s.token_source, f"{s.responses:,}", f"{s.completion_tokens:,}",
-                          *theirs, _usd(s.cost_usd))
-        table.add_row("total", "", "", f"{inv.responses:,}", f"{inv.completion_tokens:,}", "", "", _usd(inv.spend_usd))
+                          *theirs, usd(s.cost_usd))
+        table.add_row("total", "", "", f"{inv.responses:,}", f"{inv.completion_tokens:,}", "", "", usd(inv.spend_usd))
         out.print(table)
         out.print("completion tokens: the target tokenizer's count (budgets use it); provider's count: the API's own "
                   "usage.completion_tokens (its tokenizer); difference: ours minus theirs", highlight=False)
@@ -55,8 +50,8 @@ def print_inventory(invs) -> None:
                      f"{inv.remaining_tokens:,} remaining")
         if inv.prompts_left is not None:
             line += f"; {inv.prompts_left:,} prompts left"
-        for name, usd in inv.cost_to_finish_usd.items():
-            line += f"; to finish on {name}: ~${usd:,.2f}"
+        for name, cost in inv.cost_to_finish_usd.items():
+            line += f"; to finish on {name}: ~${usd(cost)}"
         if inv.other_versions:
             line += f"; {inv.other_versions:,} records of other versions not counted (--version, --all-versions)"
         out.print(line, highlight=False)

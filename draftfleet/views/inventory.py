@@ -313,7 +313,7 @@ def inventory_dataset(
             left = min(bounds)
             mean_prompt = prompt_tokens / responses
             for name, (p_in, p_out) in prices.items():
-                cost[name] = round(left * mean * p_out / 1e6 + left * mean_prompt * p_in / 1e6, 2)
+                cost[name] = round(left * mean * p_out / 1e6 + left * mean_prompt * p_in / 1e6, 4)
     return DatasetInventory(
         dataset=dataset, version=records.version, settings=records.settings,
         other_versions=sum(part.other_versions for part in parts), responses=responses, conversations=conversations,

@@ -152,7 +152,7 @@ def _finish(remaining: int | None, tps: float | None, usd: float | None) -> tupl
     if remaining is None:
         return None, None
     time_s = round(remaining / tps) if tps else None
-    cost = round(remaining * usd / 1e6, 2) if usd is not None else None
+    cost = round(remaining * usd / 1e6, 4) if usd is not None else None  # to the 1/100 cent :func:`usd` shows
     return time_s, cost
 
 
@@ -319,6 +319,12 @@ def tokens(n: float | None) -> str:
     return f"{n / 1e6:.2f}M" if abs(n) < 1e9 else f"{n / 1e9:.2f}G"
 
 
+def usd(x: float) -> str:
+    """Money, without the sign: cents from a dollar up; below it four decimals, so a small run's
+    spend or cost does not read as 0.00 (every command and the report show money so)."""
+    return f"{x:,.2f}" if abs(x) >= 1 or x == 0 else f"{x:.4f}"
+
+
 def headline(p: DatasetPlan) -> str:
     """One line: what is left and why (the ETA, or why there is none)."""
     if p.state == "closed":
@@ -343,12 +349,12 @@ def headline(p: DatasetPlan) -> str:
 
 def _side_row(s: Side, workers_known: bool) -> list[str]:
     tps = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-"
-    cost = "-" if s.cost_usd is None else f"{s.cost_usd:,.2f}"
+    cost = "-" if s.cost_usd is None else usd(s.cost_usd)
     if s.kind == "both":
         how = "every side above at its rate"
     else:
         price = {"local": "no money per token", "not priced": "no price"}.get(
-            s.price_source, f"${s.usd_per_mtok:,.2f}/Mtok {s.price_source}")
+            s.price_source, f"${usd(s.usd_per_mtok)}/Mtok {s.price_source}")
         live = ("workers not known" if not workers_known else f"{s.live_workers} live" if s.live_workers
                 else "none live")
         how = f"rate: {s.rate_source}; {price}; {live}" + ("" if s.assigned else ", not assigned")

@@ -27,7 +27,7 @@ import msgspec
 
 from draftfleet.schemas.records import IMPORTED_BY
 from draftfleet.store import Store
-from draftfleet.views.plan import Activity, DatasetPlan, StoreFigures, busy_seconds, duration, headline, tokens
+from draftfleet.views.plan import Activity, DatasetPlan, StoreFigures, busy_seconds, duration, headline, tokens, usd
 
 PARALLEL_FROM = 5000  # record files; below this a process pool costs more than it saves
 MAX_POINTS = 400  # points per time series drawn (binned): the SVG stays small whatever the store holds
@@ -268,9 +268,9 @@ def spend_over_time(c: Columns, caps: dict[str, float | None], axis: TimeAxis) -
         sel = [k for k in range(len(c.at)) if c.backend[k] == b]
         t, y = _binned_cumulative([c.at[k] for k in sel], [c.cost[k] for k in sel])
         if t:
-            ax.step(axis.xs(t), y, where="post", label=f"{b}: ${y[-1]:,.2f}")
+            ax.step(axis.xs(t), y, where="post", label=f"{b}: ${usd(y[-1])}")
         if caps.get(b) is not None:
-            ax.axhline(caps[b], linestyle="--", color="red", label=f"{b} cap ${caps[b]:,.2f} (all datasets)")
+            ax.axhline(caps[b], linestyle="--", color="red", label=f"{b} cap ${usd(caps[b])} (all datasets)")
     axis.label(ax, "the first record")
     ax.set_ylabel("USD (cumulative, this dataset)")
     ax.legend(fontsize="small", loc="upper left")
@@ -333,10 +333,10 @@ def plan_table(p: DatasetPlan) -> str:
     rows = []
     for s in p.sides + ([p.at_once] if p.at_once else []):
         price = {"local": "local", "not priced": "not priced"}.get(
-            s.price_source, f"{s.usd_per_mtok:,.2f} ({s.price_source})" if s.usd_per_mtok is not None else "-")
+            s.price_source, f"{usd(s.usd_per_mtok)} ({s.price_source})" if s.usd_per_mtok is not None else "-")
         rows.append("<tr>" + "".join(f"<td>{_e(v)}</td>" for v in (
             f"{s.backend} ({s.kind})", f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-", s.rate_source, price,
-            duration(s.time_s), "-" if s.cost_usd is None else f"{s.cost_usd:,.2f}",
+            duration(s.time_s), "-" if s.cost_usd is None else usd(s.cost_usd),
             "" if s.kind == "both" else (f"{s.live_workers} live" if p.workers_known else "not known")
             + ("" if s.assigned else ", not assigned"))) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("to finish on", "tok/s", "rate from", "$/Mtok", "time", "cost $",
