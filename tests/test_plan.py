@@ -158,6 +158,19 @@ def test_a_small_runs_cost_is_not_rounded_to_zero():
     assert "0.00 " not in text, text
 
 
+def test_a_cloud_without_a_price_is_shown_not_priced(tmp_path):
+    """A cloud's records without the provider's cost and no config to price it (``inventory --store``
+    alone): the plan says "no price" (the table raised a TypeError formatting the missing price)."""
+    from tests.test_inventory import _rec
+
+    store = Store(tmp_path)
+    for i in range(3):
+        assert store.put(_rec(i, [5] * 100, source="retokenized", backend="cloudy"))
+    cp = run_cli("inventory", "--store", str(tmp_path), env={"COLUMNS": "200"})
+    assert cp.returncode == 0, cp.stderr
+    assert "cloudy (cloud)" in cp.stdout and "no price" in cp.stdout, cp.stdout
+
+
 def _report(r, hostname: str, kind: str, backend: str, datasets: list[str], paused: str | None = None) -> None:
     w = WorkerReport(hostname=hostname, kind=kind, backend=backend, datasets=datasets, follows=datasets,
                      paused=paused, at=time.time())

@@ -353,8 +353,8 @@ def _side_row(s: Side, workers_known: bool) -> list[str]:
     if s.kind == "both":
         how = "every side above at its rate"
     else:
-        price = {"local": "no money per token", "not priced": "no price"}.get(
-            s.price_source, f"${usd(s.usd_per_mtok)}/Mtok {s.price_source}")
+        price = ("no money per token" if s.price_source == "local" else "no price" if s.usd_per_mtok is None
+                 else f"${usd(s.usd_per_mtok)}/Mtok {s.price_source}")
         live = ("workers not known" if not workers_known else f"{s.live_workers} live" if s.live_workers
                 else "none live")
         how = f"rate: {s.rate_source}; {price}; {live}" + ("" if s.assigned else ", not assigned")
