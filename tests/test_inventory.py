@@ -65,6 +65,28 @@ def test_store_alone_reads_budgets_from_manifests(tmp_path):
     assert inv.validation.ids_out_of_vocab is None  # no tokenizer: that check is left out, not faked
 
 
+def test_store_alone_shows_no_share_done(tmp_path):
+    """``--store`` alone reads the budget from the manifest but no dataset file, so it cannot know
+    whether the prompts run out first: a finished 4-prompt dataset under a 100,000-token budget is
+    not "0.2% done". It says the budget and what is left of it, no percentage, and why."""
+    from draftfleet.identity import settings_id
+    from draftfleet.schemas.records import DatasetManifest, GenerationSettings
+    from tests.conftest import run_cli
+
+    store = Store(tmp_path)
+    settings = GenerationSettings(model="m", max_tokens=100, temperature=0.0, top_p=1.0)
+    sid = settings_id(settings)
+    store.write_manifest(DatasetManifest(name="ds", version=1, settings=settings, settings_id=sid,
+                                         budget_tokens=100_000, created_at=time.time()))
+    for i in range(4):
+        assert store.put(msgspec.structs.replace(_rec(i, [5] * 50), settings_id=sid))
+    res = run_cli("inventory", "--store", str(tmp_path), env={"COLUMNS": "200"})
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert "budget 100,000, 99,800 remaining; no % done: the prompts left are not known" in text, text
+    assert "--store alone reads no dataset file" in text and "0.2% done" not in text, text
+
+
 def test_provider_count_beside_ours_per_backend(tmp_path, redis_server):
     """A cloud record counts target-tokenizer tokens (budgets use them) and keeps the provider's own
     completion_tokens; the inventory shows both and the difference, per backend."""

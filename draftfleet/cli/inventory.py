@@ -19,7 +19,7 @@ def with_plans(args, cfg, invs) -> list:
     return [msgspec.structs.replace(inv, plan=p) for inv, p in zip(invs, plans(cfg, invs, fleet_redis(args, cfg)))]
 
 
-def print_inventory(invs) -> None:
+def print_inventory(invs, store_alone: bool = False) -> None:
     from draftfleet.views.inventory import ROUNDTRIP_MEANING
     from draftfleet.views.plan import render_plans, usd
 
@@ -45,7 +45,12 @@ def print_inventory(invs) -> None:
         line = f"mean {inv.mean_tokens or 0:,.0f} tokens/response"
         if inv.conversations:
             line += f"; {inv.conversations:,} conversations, {inv.turns:,} regenerated turns in all"
-        if inv.budget_tokens:
+        if inv.budget_tokens and inv.prompts_left is None:
+            # The budget's share is no share done: the prompts may run out first, and they are not known here.
+            why = "--store alone reads no dataset file" if store_alone else "the dataset file was not read"
+            line += (f"; budget {inv.budget_tokens:,}, {inv.remaining_tokens:,} remaining; no % done: the prompts "
+                     f"left are not known ({why}) and may run out before the budget")
+        elif inv.budget_tokens:
             line += (f"; budget {inv.budget_tokens:,}: {100 * (inv.share_done or 0):.1f}% done, "
                      f"{inv.remaining_tokens:,} remaining")
         if inv.prompts_left is not None:
@@ -93,7 +98,7 @@ def cmd_inventory(args) -> int:
     if args.json:
         print(msgspec.json.encode(invs).decode())
     else:
-        print_inventory(invs)
+        print_inventory(invs, store_alone=cfg is None)
     return 0
 
 
