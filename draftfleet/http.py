@@ -1,8 +1,8 @@
 """The one place that picks and sizes the HTTP client (keep the choice here, measured in bench/).
 
-A sync ``httpx.Client`` shared by the worker's threads measured cheapest per request (DESIGN.md:
-1.7 ms CPU vs 5-9 ms for the async clients). The pool is sized to the number of threads so no
-request ever waits in httpcore's pool queue: httpcore 1.0.9's assignment pass is O(N^2) in
+A sync ``httpx.Client`` shared by the worker's threads measured cheapest per request when it was
+chosen (1.7 ms of CPU vs 5-9 ms for the async clients). The pool is sized to the number of threads
+so no request ever waits in httpcore's pool queue: httpcore 1.0.9's assignment pass is O(N^2) in
 queued requests (httpcore PR #1035) and can hang a queued request until its read timeout
 (httpcore #1110). Every request carries its own timeout: the threads pool has no task time limit.
 """

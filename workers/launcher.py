@@ -55,8 +55,8 @@ class EngineSpec(NamedTuple):
 
 
 ENGINES: dict[Engine, EngineSpec] = {
-    # SGLang's /health(_generate) runs a one-token generation and waits up to 20 s under load
-    # (FORMATS.md); a restart of a large model costs 10-30 minutes, so be slow to give up on it.
+    # SGLang's /health(_generate) runs a one-token generation and waits up to 20 s under load;
+    # a restart of a large model costs 10-30 minutes, so be slow to give up on it.
     "sglang": EngineSpec("/health_generate", health_timeout_s=30.0, health_interval_s=10.0, unhealthy_after=6),
     # vLLM's /health only asks the engine core whether it is alive: quick and cheap.
     "vllm": EngineSpec("/health", health_timeout_s=10.0, health_interval_s=5.0, unhealthy_after=3),

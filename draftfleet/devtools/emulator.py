@@ -2,7 +2,7 @@
 
 Tests, benchmarks and the demo point the fleet at it instead of a real SGLang server or
 OpenRouter. It speaks the same protocols (SGLang's native ``/generate``, OpenAI's
-``/v1/chat/completions`` with OpenRouter's usage and error shapes; see FORMATS.md), answers a
+``/v1/chat/completions`` with OpenRouter's usage and error shapes), answers a
 prompt with the same token ids every time, models how continuous batching shares decode
 throughput among running requests, and injects the faults real backends produce (429, 5xx,
 402, 403, hangs, bodies cut short, aborts) at rates that can change while it runs.
@@ -55,7 +55,7 @@ the kinds its endpoint really produces (``FAULT_PATHS``)."""
 
 _SGLANG, _CHAT = GENERATION_PATHS
 FAULT_PATHS: dict[str, frozenset[str]] = {
-    # SGLang itself never sends 429 (FORMATS.md): on /generate it comes only from a proxy (``proxy``).
+    # SGLang itself never sends 429 (RELIABILITY.md, fault 4): on /generate it comes only from a proxy (``proxy``).
     "429": frozenset({_CHAT}),
     "500": frozenset(GENERATION_PATHS),
     "503": frozenset(GENERATION_PATHS),
