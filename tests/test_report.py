@@ -75,6 +75,8 @@ def test_report_is_one_self_contained_file(tmp_path, tokenizer_dir):
     assert "1,746" in text or "2,046" in text
     assert "51.7% cut at max_tokens" in text  # 155 of 300 of the cloud's answers
     assert "max_tokens = 8,192" in text and "pivot: cloud" in text and "budget (as enqueued)" in text
+    tokens = _chart_texts(page)[1]  # the 10M budget on the 7.4M tokens' scale: drawn, the axis in M
+    assert "10M" in tokens and "budget (as enqueued)" in tokens and not any("1e" in t for t in tokens), tokens
     assert "openrouter cap $20.00" in text and "quarantined: bad_json" in text and "failed: moderation" in text
     assert "tokens left" in text and "13h08m" not in text  # the plan: the GPU's 13 h are for the rest
     assert "40 of 2,046 turns captured, 400 tokens" in text
@@ -102,6 +104,45 @@ def test_a_short_run_on_one_backend_reads_in_minutes_as_one_line(tmp_path, token
     text = re.sub(r"<[^>]+>", " ", out.read_text())
     assert "minutes since the first record" in text and "hours since" not in text
     assert "all backends (total)" not in text
+
+
+def _chart_texts(page: str) -> list[list[str]]:
+    """The text of each chart (its SVG keeps text as text): tick labels, legend, axis labels."""
+    return [re.findall(r"<text[^>]*>([^<]*)</text>", svg) for svg in page.split("<svg")[1:]]
+
+
+def test_a_budget_far_above_a_short_run_is_named_not_drawn(tmp_path, tokenizer_dir):
+    """Half an hour's 150k tokens under a 10M budget, $0.08 under a $20 cap: each chart keeps the
+    data's own scale in plain amounts (no ``1e7`` above the axis), and the legend names the budget
+    and the cap as off the scale instead of a line that squashes the curve flat. A budget raised
+    from one on the scale to 10M: the step is drawn up to the axis's top."""
+    config = seed_config(tmp_path, tokenizer_dir)
+    store = Store(load_config(config).fleet.store)
+    now = time.time()
+    for i in range(200):
+        assert store.put(record(f"{i:064x}", "B3_magicoder", 500 + i, created_at=now - 1800 + 9 * i, latency_s=5.0))
+    for i in range(40):
+        assert store.put(record(f"{1000 + i:064x}", "B3_magicoder", 800, backend="openrouter", kind="cloud",
+                                created_at=now - 900 + 20 * i, latency_s=5.0, cost_usd=0.002, cost_source="provider"))
+    out = tmp_path / "run.html"
+
+    def charts():
+        cp = run_cli("report", "--config", str(config), "--out", str(out))
+        assert cp.returncode == 0, cp.stderr
+        return _chart_texts(out.read_text())
+
+    _, tokens, spend = charts()[:3]
+    assert "budget 10.00M (off the scale)" in tokens, tokens
+    assert "140k" in tokens and not {"2M", "10M", "1e7"} & set(tokens), tokens  # the data's scale, in k
+    assert "openrouter cap $20.00 (all datasets; off the scale)" in spend, spend
+    assert "$0.08" in spend and "$20" not in spend, spend
+
+    store.log(DatasetEvent(at=now - 1900, dataset="B3_magicoder", kind="budget", budget_tokens=200_000, note="enqueue"))
+    store.log(DatasetEvent(at=now - 600, dataset="B3_magicoder", kind="budget", budget_tokens=10_000_000,
+                           note="enqueue"))
+    tokens = charts()[1]
+    assert "budget (as enqueued; 10.00M off the scale)" in tokens, tokens
+    assert "200k" in tokens and not {"2M", "10M"} & set(tokens), tokens
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs the chromium OS package (.ci/run installs it)")

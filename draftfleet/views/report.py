@@ -161,6 +161,37 @@ def _svg(fig) -> str:
     return text[text.index("<svg"):]  # inline: without the XML prolog and doctype
 
 
+def _amounts(ax, prefix: str = "") -> None:
+    """The y-axis in plain amounts with k/M/G suffixes (``250k``, ``1.5M``, ``$20``), never
+    matplotlib's ``1e7`` offset above the axis."""
+    from matplotlib.ticker import FuncFormatter
+
+    def amount(y: float, _pos=None) -> str:
+        for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(y) >= scale:
+                return f"{prefix}{y / scale:.4g}{suffix}"
+        return f"{prefix}{y:.4g}"
+
+    ax.yaxis.set_major_formatter(FuncFormatter(amount))
+
+
+OFF_SCALE = 5.0  # a reference line over this many times the data's top is not drawn: it would flatten the data
+
+
+def _off_scale(value: float, top: float) -> bool:
+    return top > 0 and value > OFF_SCALE * top
+
+
+def _reference(ax, value: float, top: float, label: str, **style) -> None:
+    """A horizontal reference (a budget, a cap) against data that reach ``top``: a line where it is on
+    the data's scale; far above it (``OFF_SCALE``), only its legend entry, saying so."""
+    if _off_scale(value, top):
+        ax.plot([], [], label=label[:-1] + "; off the scale)" if label.endswith(")") else f"{label} (off the scale)",
+                **style)
+    else:
+        ax.axhline(value, label=label, **style)
+
+
 def _label(backend: str, imported: bool) -> str:
     return f"{backend} (imported)" if imported else backend
 
@@ -235,6 +266,7 @@ def tokens_over_time(c: Columns, events: list, budget: int | None, axis: TimeAxi
     if len(groups) > 1:  # dashed, on top: where one backend ran alone the two lines coincide and both show
         ax.step(axis.xs(t), y, where="post", color="black", linewidth=1, linestyle=(0, (4, 3)),
                 label="all backends (total)")
+    top = y[-1] if y else 0.0
     steps = [(e.at, e.budget_tokens) for e in events if e.kind == "budget"]
     if steps:
         xs, ys = [], []
@@ -242,11 +274,18 @@ def tokens_over_time(c: Columns, events: list, budget: int | None, axis: TimeAxi
             if b is not None:
                 xs.append(axis.x(at))
                 ys.append(b)
-        if xs:
+        far = [b for b in ys if _off_scale(b, top)]
+        if xs and len(far) == len(ys):
+            _reference(ax, ys[-1], top, f"budget {tokens(ys[-1])}", color="grey", linestyle="--")
+        elif xs:
             ax.step([*xs, axis.x(axis.end)], [*ys, ys[-1]], where="post", color="grey", linestyle="--",
-                    label="budget (as enqueued)")
+                    label=(f"budget (as enqueued; {tokens(max(far))} off the scale)" if far
+                           else "budget (as enqueued)"))
+            if far:  # the scale of the data and of the budgets near it; the far ones run off the top
+                high = max(top, *(b for b in ys if b not in far))
+                ax.set_ylim(-0.05 * high, 1.05 * high)
     elif budget:
-        ax.axhline(budget, color="grey", linestyle="--", label=f"budget {tokens(budget)}")
+        _reference(ax, budget, top, f"budget {tokens(budget)}", color="grey", linestyle="--")
     for e in events:
         if e.kind == "assign":
             ax.axvline(axis.x(e.at), color="purple", linestyle=":")
@@ -255,6 +294,7 @@ def tokens_over_time(c: Columns, events: list, budget: int | None, axis: TimeAxi
                         ha="right", color="purple")
     axis.label(ax, "the first record")
     ax.set_ylabel("completion tokens (cumulative)")
+    _amounts(ax)
     ax.legend(fontsize="small", loc="upper left")
     return _svg(fig)
 
@@ -264,15 +304,20 @@ def spend_over_time(c: Columns, caps: dict[str, float | None], axis: TimeAxis) -
     if not any(k == "cloud" for k in c.kind):
         return None
     fig, ax = _figure()
+    spent = {}
     for b in clouds:
         sel = [k for k in range(len(c.at)) if c.backend[k] == b]
         t, y = _binned_cumulative([c.at[k] for k in sel], [c.cost[k] for k in sel])
         if t:
             ax.step(axis.xs(t), y, where="post", label=f"{b}: ${usd(y[-1])}")
+            spent[b] = y[-1]
+    top = max(spent.values(), default=0.0)
+    for b in clouds:
         if caps.get(b) is not None:
-            ax.axhline(caps[b], linestyle="--", color="red", label=f"{b} cap ${usd(caps[b])} (all datasets)")
+            _reference(ax, caps[b], top, f"{b} cap ${usd(caps[b])} (all datasets)", linestyle="--", color="red")
     axis.label(ax, "the first record")
     ax.set_ylabel("USD (cumulative, this dataset)")
+    _amounts(ax, "$")
     ax.legend(fontsize="small", loc="upper left")
     return _svg(fig)
 
@@ -307,9 +352,10 @@ def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, s
     t, y = _binned_cumulative(times, [float(h[1]) for h in held])  # a conversation's file: all its turns
     axis = TimeAxis(times[0], times[-1])
     ax.step(axis.xs(t), y, where="post", label="captured turns")
-    ax.axhline(units, color="grey", linestyle="--", label=f"{units:,} record turns")
+    _reference(ax, units, y[-1], f"{units:,} record turns", color="grey", linestyle="--")
     axis.label(ax, "the first capture")
     ax.set_ylabel("turns")
+    _amounts(ax)
     ax.legend(fontsize="small", loc="upper left")
     return _svg(fig), text
 
