@@ -19,8 +19,8 @@ A file holds ``token_ids`` int64 [T] (the unit's prompt ids then its output ids,
 e4m3 with ``hidden_states_scales`` float32 [T, 1, 1] (one scale per token, amax / 448, the layout
 speculators' hs-connectors reads and dequantizes as ``fp8.to(bf16) * scale``). The auxiliary layers in ascending
 order, then the last layer's output BEFORE the final norm (vLLM/speculators layer ids, where id k
-is the residual stream entering decoder layer k and id N the last layer's output; FORMATS.md,
-"Hidden states"). That is speculators' own per-row layout, so its export is a copy; SpecForge's
+is the residual stream entering decoder layer k and id N the last layer's output; README,
+"Hidden states (EAGLE-3 features)"). That is speculators' own per-row layout, so its export is a copy; SpecForge's
 post-norm last layer is derived from it at export (the norm cannot be undone, so the pre-norm
 state is the one kept). The header metadata names the key, the turn (``conversation``), the
 answers' ``spans`` (``[[start, end], ..]`` in the ids: one per turn, the trainers' loss mask) and
