@@ -25,7 +25,7 @@ from draftfleet.ledger import Ledger
 from draftfleet.queues import depth, held
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import WorkerReport
-from draftfleet.views.plan import DatasetPlan, plan_from_redis, render_plans
+from draftfleet.views.plan import DatasetPlan, plan_from_redis, render_plans, usd
 
 _report_decoder = msgspec.json.Decoder(WorkerReport)
 
@@ -212,7 +212,7 @@ def _n(x: float) -> str:
 
 
 def _usd(x: float) -> str:
-    return f"{x:,.2f}" if x < 100_000 else _n(x)
+    return usd(x) if x < 100_000 else _n(x)  # the fleet's money (views/plan.py), folded where it would not fit
 
 
 def _table(title: str, columns: list[tuple[str, bool]]) -> Table:
