@@ -67,7 +67,7 @@ _DTYPES = {"BF16": np.uint16, "F8_E4M3": np.uint8, "I64": np.int64, "F32": np.fl
 DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}  # [capture] dtype -> the manifest's (torch's name)
 SCALES = "hidden_states_scales"  # hs-connectors' name of the fp8 files' per-token scales
 ROOM_KEY = "header_room"  # the connector's metadata entry of spaces the worker writes the unit's metadata over
-HEADER_ROOM = 1024  # bytes of it: the unit's metadata takes ~300
+HEADER_ROOM = 4096  # bytes of it: the unit's metadata takes ~300, plus ~14 a turn of a conversation's spans
 _manifest_decoder = msgspec.json.Decoder(CaptureManifest)
 # Where transformers checkpoints keep the final norm (text models; multimodal ones such as Kimi-K2.5)
 FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")

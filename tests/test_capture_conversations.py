@@ -215,3 +215,27 @@ def test_real_templates_decide_which_conversations_are_captured_once(request, fi
         assert [ids[a:b] for a, b in spans] == [t.output_ids for t in rec.turns]
     else:
         assert isinstance(got, str) and "the template rewrites the earlier answer" in got, got
+
+
+def test_a_long_conversations_metadata_fits_the_room_the_connector_leaves(tmp_path):
+    """200 turns of 6-digit spans, a long model path and Kimi-K2.5's layers: still written in place
+    (else every such file would be written a second time)."""
+    from draftfleet.hidden import HEADER_ROOM, rewrite_metadata
+    from draftfleet.schemas.records import CaptureManifest, CaptureTask, EngineContract
+    from draftfleet.workers.capture import unit_metadata
+
+    from tests.test_hidden import _engine_file
+
+    model = "/mnt/models/" + "moonshotai--Kimi-K2.5-" * 8
+    m = CaptureManifest(dataset="B3_magicoder_long_name", version=12, model=model, model_config_sha256="f" * 64,
+                        num_layers=61, hidden_size=7168, layer_ids=[2, 30, 58, 61], created_at=0.0,
+                        units="conversation")
+    contract = EngineContract(layer_ids=m.layer_ids, hidden_size=7168, num_layers=61, dtype="bfloat16", model=model,
+                              model_config_sha256="f" * 64)
+    spans = [(100_000 + 2000 * k, 100_000 + 2000 * k + 1500) for k in range(200)]
+    meta = unit_metadata(CaptureTask(dataset=m.dataset, key="ab" * 32, turn=CONVERSATION, version=12), m, spans,
+                         contract)
+    path = tmp_path / "req.safetensors"
+    _engine_file(path, room=HEADER_ROOM)
+    assert rewrite_metadata(path, meta)
+    assert file_spans(read_safetensors(path, ())[1], 600_000, path) == spans

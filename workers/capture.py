@@ -567,10 +567,7 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
                   task.key, turn_name(task.turn), failure)
         return "failed"
     assert got is not None and got.contract is not None
-    meta = {"dataset": task.dataset, "key": task.key, "turn": turn_name(task.turn), "prompt_len": str(spans[0][0]),
-            "spans": json.dumps([list(sp) for sp in spans], separators=(",", ":")), "version": str(task.version),
-            "layer_ids": ",".join(map(str, m.layer_ids)), "model": m.model,
-            CONTRACT_KEY: msgspec.json.encode(got.contract).decode()}
+    meta = unit_metadata(task, m, spans, got.contract)
     try:
         stored = _store(rt, task, got, meta)
     finally:
@@ -580,6 +577,15 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
     _event(rt, task.dataset, "captured", len(ids))
     log.info("captured %s %s turn %s: %d tokens", task.dataset, source, turn_name(task.turn), len(ids))
     return "stored"
+
+
+def unit_metadata(task: CaptureTask, m: CaptureManifest, spans: Spans, contract: EngineContract) -> dict[str, str]:
+    """What a stored file's header says of its unit (written into the connector's room): whose it is,
+    the answers' spans (the trainers' loss mask) and the engine's contract."""
+    return {"dataset": task.dataset, "key": task.key, "turn": turn_name(task.turn), "prompt_len": str(spans[0][0]),
+            "spans": json.dumps([list(sp) for sp in spans], separators=(",", ":")), "version": str(task.version),
+            "layer_ids": ",".join(map(str, m.layer_ids)), "model": m.model,
+            CONTRACT_KEY: msgspec.json.encode(contract).decode()}
 
 
 def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str, str]) -> bool:
@@ -600,8 +606,9 @@ def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str,
                            "to write every file twice") from None
     elif not rt.warned_copy:
         rt.warned_copy = True
-        log.warning("%s has no header room: every file is written again into the store (start the server with the "
-                    "fleet's connector flags, README 'Hidden states')", got.path)
+        log.warning("%s has no header room, or too little for the unit's metadata (%d bytes): such files are written "
+                    "again into the store (start the server with the fleet's connector flags, README 'Hidden states')",
+                    got.path, len(json.dumps(meta)))
     tensors = {"token_ids": ("I64", got.ids), "hidden_states": ("BF16" if got.dtype == "bfloat16" else "F8_E4M3", got.states)}
     if got.scales is not None:
         tensors[SCALES] = got.scales
