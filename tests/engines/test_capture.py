@@ -181,7 +181,7 @@ def test_captured_states_match_transformers_and_both_trainers_read_the_exports(
     [hs_inv] = [i for i in json.loads(inv.stdout) if i["dataset"] == "hs"]
     # no budget in this config: nothing more to come once every turn is captured
     assert hs_inv["hidden_states"] == {"version": 1, "layer_ids": [2, 4, 5, 8], "units": 12, "files": 12,
-                                       "tokens": total_tokens, "bytes": total_bytes, "dtype": "bfloat16",
+                                       "turns": 12, "tokens": total_tokens, "bytes": total_bytes, "dtype": "bfloat16",
                                        "bytes_per_token": round(total_bytes / total_tokens, 1),
                                        "projected_bytes": 0}, hs_inv["hidden_states"]
 
