@@ -481,20 +481,36 @@ def _redeliver_as_visibility_timeout(url: str) -> None:
         conn.default_channel.qos.restore_visible(num=None, interval=1)
 
 
+def _consuming(proc) -> bool:
+    """Celery's consumer of the worker ``proc`` takes messages now: its "<hostname> ready." line,
+    logged once its queues are consumed. (A worker's report is published earlier: a GPU worker's
+    as soon as it waits for its server, before its consumer starts.)"""
+    log = Path(proc.log_path).read_text(errors="replace")
+    return bool(re.search(r"/celery\.apps\.worker\] \S+ ready\.$", log, re.M))
+
+
 def test_task_longer_than_visibility_timeout_runs_once(tmp_path, redis_server, tokenizer_dir, emulator_factory,
                                                        workers):
     emu = emulator_factory(single_stream_tps=10, ceiling_tps=100000, length="fixed:60", ttft_s=0.0)  # 6 s each
-    config, store = _setup(tmp_path, tokenizer_dir, emu.url, 4, inflight=4)
+    # the requests are held open below for as long as the second worker takes to start: a request
+    # timeout well beyond that, so that no original is retried (a fifth generation)
+    config, store = _setup(tmp_path, tokenizer_dir, emu.url, 4, inflight=4, sglang_timeout_s=120.0)
     r = redis_server.client()
-    _start(workers, config, "gpu", "first", redis_server.url, emu.url)
-    wait_until(lambda: _workers_up(r, 1), 60, 0.1, workers.logs())
+    first = _start(workers, config, "gpu", "first", redis_server.url, emu.url)
+    wait_until(lambda: _consuming(first), 90, 0.1, workers.logs())
     _enqueue(config, redis_server.url)
     wait_until(lambda: emu.stats()["open"] == 4, 30, 0.05, workers.logs())
-    _start(workers, config, "gpu", "second", redis_server.url, emu.url)
-    wait_until(lambda: _workers_up(r, 2), 60, 0.1, workers.logs())
-    time.sleep(1.5)
+    # The 4 originals must still run when their copies are handed out and reach the second
+    # worker, however long that worker takes to start on a loaded machine (it took longer than the
+    # 6 s they last): the emulator's clock all but stops until the copies are deferred.
+    emu.update(time_scale=1e6)
+    second = _start(workers, config, "gpu", "second", redis_server.url, emu.url)
+    wait_until(lambda: _consuming(second), 90, 0.1, workers.logs())
+    time.sleep(1.5)  # every message older than the 1 s timeout below
     _redeliver_as_visibility_timeout(redis_server.url)  # all 4 are handed out again while they run
     wait_until(lambda: _events(r, "ds")["deferred:claimed"] >= 4, 30, 0.1, f"the copies deferred\n{workers.logs()}")
+    assert emu.stats()["open"] == 4 and not store.keys("ds")  # deferred while the originals run: their claims held
+    emu.update(time_scale=0.1)  # the originals finish (in 0.6 s) before their copies come back (in 5 s)
     wait_until(lambda: len(store.keys("ds")) == 4, 60, 0.2, workers.logs())
     assert_exactly_once(store, r, "ds", 4, timeout=60)
     assert emu.stats()["by_endpoint"]["/generate"] == 4  # the claim kept the copies from running
