@@ -8,6 +8,7 @@ the per-GPU fan-out, the launcher's health wait, the worker's /generate calls, s
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -93,7 +94,12 @@ def _fake_sglang_fleet(tmp_path: Path, tokenizer_dir: Path, prompts: int, sglang
 def _run_on_two_gpus(tmp_path: Path, redis_server, config: Path, env: dict, flags: list[str], prompts: int,
                      ports: tuple[int, int]) -> Store:  # fmt: skip
     """``worker gpu --config C FLAGS`` (two GPU groups): wait for both workers, enqueue, wait for
-    every result, stop the parent with SIGTERM, and check nothing listens on the servers' ports."""
+    every result, stop the parent with SIGTERM, and check nothing listens on the servers' ports.
+
+    Both workers consume before the enqueue (Celery's "<hostname> ready." line of each), so that
+    each gets some of the prompts: a worker's report is there earlier, from the moment it waits
+    for its server, and on a loaded machine one server came up so late that the other worker had
+    done all the prompts by then."""
     log = open(tmp_path / "workers.log", "wb")
     parent = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", str(config), *flags],
                               env={"REDIS_URL": redis_server.url, "PATH": "/usr/bin:/bin", **env}, stdout=log,
@@ -102,7 +108,10 @@ def _run_on_two_gpus(tmp_path: Path, redis_server, config: Path, env: dict, flag
     try:
         r = redis_server.client()
         logs = lambda: (tmp_path / "workers.log").read_text(errors="replace")[-5000:]  # noqa: E731
-        wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 2, 90, 0.2, f"two workers\n{logs()}")
+        ready = lambda: set(re.findall(r"/celery\.apps\.worker\] (\S+) ready\.$",  # noqa: E731
+                                       (tmp_path / "workers.log").read_text(errors="replace"), re.M))
+        wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 2 and len(ready()) == 2, 120, 0.2,
+                   f"two workers consuming\n{logs()}")
         assert _enqueue(config, redis_server.url)[0]["queued"] == prompts
         wait_until(lambda: len(store.keys("ds")) == prompts, 60, 0.2, f"{prompts} results\n{logs()}")
     finally:
