@@ -38,7 +38,8 @@ def test_a_new_version_is_exported_captured_and_counted_alone(tmp_path, redis_se
         path = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url,
                             datasets=[{"name": "ds", "path": str(data), "max_tokens": 32, "turns": turns}])
         with open(path, "a") as fh:
-            fh.write(f'\n[capture]\nmodel_path = "{model}"\n')
+            # a unit a turn, as the counts below (a conversation captured once: test_capture_conversations.py)
+            fh.write(f'\n[capture]\nmodel_path = "{model}"\nconversations = false\n')
         return path
 
     env = {"REDIS_URL": redis_server.url}
