@@ -57,6 +57,7 @@ class Claims:
         self._refresh = r.register_script(_REFRESH)
         self._release = r.register_script(_RELEASE)
         self._lock = threading.Lock()
+        self._state_seen: bytes | None = None  # the rk.STATE marker as this worker last put its claims under it
         self._held: set[tuple[str, str]] = set()  # (claim key, the holding task's token)
         self.inflight: dict[str, int] = {}  # dataset -> tasks holding a claim
         self._publish = threading.Lock()  # one report written at a time: the last one is the newest
@@ -108,10 +109,13 @@ class Claims:
                 report = msgspec.structs.replace(report, inflight=self.running(), pid=os.getpid(), at=time.time())
                 pipe = self.r.pipeline(transaction=False)
                 with self.refreshing(pipe):
-                    if mark_state:
-                        pipe.set(rk.STATE, 1)
+                    if mark_state:  # the first to find it gone stamps it with Redis's clock
+                        pipe.set(rk.STATE, rk.state_stamp(self.r), nx=True)
+                        pipe.get(rk.STATE)
                     pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
-                    pipe.execute()
+                    done = pipe.execute()
+                if mark_state:
+                    self._state_seen = done[-2]
                 self._report = report
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
@@ -133,7 +137,9 @@ class Claims:
         due = time.monotonic() + HEARTBEAT_S
         while not stop.wait(rk.STATE_POLL_S):
             try:
-                lost = not self.r.exists(rk.STATE)
+                # gone, or stamped anew by another worker or an enqueue since this one's claims went back:
+                # every worker puts its claims back at once, not only the first to notice
+                lost = self.r.get(rk.STATE) != self._state_seen
             except redis.RedisError:
                 lost = False  # the heartbeat says so when it is due
             if lost or time.monotonic() >= due:

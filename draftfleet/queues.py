@@ -74,16 +74,28 @@ def claimed_units(r: redis.Redis, dataset: str) -> set[str]:
 
 
 def await_lost_claims(r: redis.Redis) -> bool:
-    """When Redis lost its state (``rk.STATE`` is gone), wait until running workers have put back
-    the claims of what they are generating, so that it is not sent again; True if it waited.
+    """When Redis lost its state (``rk.STATE`` gone, or stamped less than ``STATE_SETTLE_S`` ago),
+    wait until running workers have put back the claims of what they are generating, so that it is
+    not sent again; True if it waited.
 
-    Each live worker looks for the marker every ``STATE_POLL_S`` and beats at once when it is gone
-    (claims first, then the marker), so two polls and a margin cover every one of them.
+    The first worker (or enqueue) to find the marker gone stamps it with Redis's clock; every live
+    worker looks every ``STATE_POLL_S`` and beats at once under a stamp it has not beaten under
+    (claims first), so ``STATE_SETTLE_S`` after the stamp every one of them has. A marker found
+    already stamped is not enough: the other workers may not have seen it yet.
     """
-    if r.exists(rk.STATE):
+    raw = r.get(rk.STATE)
+    if raw is None:
+        r.set(rk.STATE, rk.state_stamp(r), nx=True)
+        raw = r.get(rk.STATE)
+    try:
+        stamp = float(raw or 0)
+    except ValueError:
+        stamp = 0.0
+    sec, usec = r.time()
+    left = stamp + rk.STATE_SETTLE_S - (sec + usec / 1e6)
+    if left <= 0:
         return False
-    time.sleep(2 * rk.STATE_POLL_S + 1.0)
-    r.set(rk.STATE, 1)
+    time.sleep(left)
     return True
 
 

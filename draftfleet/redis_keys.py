@@ -128,6 +128,15 @@ DEAD_LETTER = f"{PREFIX}dead_letter"
 # their claims back, and enqueue waits for them before deciding what to send again.
 STATE = f"{PREFIX}state"
 STATE_POLL_S = 0.5
+# Every live worker has put its claims back this long after the marker's stamp (each looks every
+# STATE_POLL_S and beats at once when the stamp is not the one it last beat under).
+STATE_SETTLE_S = 2 * STATE_POLL_S + 1.0
+
+
+def state_stamp(r) -> str:
+    """The value of a new ``STATE`` marker: Redis's own clock (the same for every host), in seconds."""
+    sec, usec = r.time()
+    return f"{sec}.{usec:06d}"
 # Held (SET NX EX) by the worker sweeping ``unacked`` for a dead worker's messages (recovery.py).
 RECOVERY_LOCK = f"{PREFIX}recovery_lock"
 WORKERS = f"{PREFIX}workers"

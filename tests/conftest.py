@@ -24,11 +24,13 @@ from draftfleet.devtools.samples import build_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 
 
-def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition") -> None:
+def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.1,
+               what: str | Callable[[], str] = "condition") -> None:
+    """Poll ``pred``; ``what`` names it in the error (a callable: evaluated then, e.g. the logs at the timeout)."""
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
         time.sleep(interval)
 
 

@@ -284,3 +284,38 @@ def test_a_full_disk_stores_nothing_acks_nothing_then_recovers(tmp_path, small_f
     wait_until(lambda: len(store.keys("ds")) == 6, 90, 0.2, f"6 results\n{workers.logs()}")
     assert_exactly_once(store, r, "ds", 6)
     assert generated == emu.stats()["by_endpoint"]["/v1/chat/completions"] == 6  # kept in memory, not regenerated
+
+
+def test_after_redis_lost_everything_every_worker_puts_its_claims_back_before_enqueue_decides(redis_server):
+    """Two workers, each generating one prompt, when Redis comes back empty: the first to notice
+    stamps the state marker, and the other must not take that marker for its own claims being back
+    (before: it waited for its next heartbeat, and an enqueue in between sent its prompt again)."""
+    import threading
+
+    from draftfleet import redis_keys as rk
+    from draftfleet.claims import Claims
+    from draftfleet.queues import await_lost_claims, claimed_keys
+    from draftfleet.schemas.records import WorkerReport
+
+    r = redis_server.client()
+    workers, stop = [], threading.Event()
+    for name, key in (("fast@h", "aa" * 32), ("slow@h", "bb" * 32)):
+        c = Claims(r, name)
+        assert c.acquire(rk.claim("ds", key), "ds") is not None
+        report = WorkerReport(hostname=name, kind="gpu", backend="sglang")
+        c.beat(report, mark_state=True)
+        workers.append((c, report))
+    r.flushall()  # Redis back empty: queues, claims and the marker gone
+    fast, fast_report = workers[0]
+    fast.beat(fast_report, mark_state=True)  # the first to notice: its claim back, the marker stamped
+    assert r.exists(rk.STATE) and claimed_keys(r, "ds") == {"aa" * 32}
+    slow, slow_report = workers[1]
+    loop = threading.Thread(target=slow.beat_until, args=(stop, lambda: slow.beat(slow_report, mark_state=True)))
+    loop.start()
+    try:
+        assert await_lost_claims(r)  # the marker is fresh: enqueue waits for the others
+        assert claimed_keys(r, "ds") == {"aa" * 32, "bb" * 32}  # the slow worker's claim is back too
+        assert not await_lost_claims(r)  # settled: no wait
+    finally:
+        stop.set()
+        loop.join(10)

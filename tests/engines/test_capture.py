@@ -271,7 +271,8 @@ def test_capture_worker_killed_mid_run_leaves_one_file_per_unit(live, capture, t
     # a new worker finishes it: the victim's unit comes back once its claim lapses (recovery sweep)
     workers.start(config, "capture", "--url", capture.server.url, "--name", "second", redis_url=redis_server.url,
                   env={**CLAIM_ENV, "DRAFTFLEET_CAPTURE_ORPHAN_S": "3"})
-    wait_until(lambda: len(_files_by_unit(store, "kill")) == n, 240, 0.2, f"{n} captured files\n{workers.logs()}")
+    wait_until(lambda: len(_files_by_unit(store, "kill")) == n, 240, 0.2,
+               lambda: f"{n} captured files, {len(_files_by_unit(store, 'kill'))} there\n{workers.logs(None)}")
     # the engine file of the victim's unit (written, never linked) is swept by the live worker's beat
     wait_until(lambda: not list(capture.storage.glob("*.safetensors*")), 60, 0.5,
                f"no engine files behind: {sorted(p.name for p in capture.storage.iterdir())}")
