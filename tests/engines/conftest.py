@@ -50,18 +50,6 @@ class Live:
         """Requests the engine is running at this moment (its own gauge)."""
         return gauge(self.url, self.engine.running_gauge)
 
-    def complete(self, prompt_ids: list[int], max_tokens: int, eot_id: int) -> tuple[list[int], str]:
-        """Ask the engine itself, at temperature 0, for the ids that follow ``prompt_ids``."""
-        if self.name == "vllm":
-            body = {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-                    "stop_token_ids": [eot_id], "return_token_ids": True}
-            out = httpx.post(self.url + "/v1/completions", json=body, timeout=120).raise_for_status().json()
-            return self.answer_ids(out), out["choices"][0]["finish_reason"]
-        body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0,
-                                                             "stop_token_ids": [eot_id]}}
-        out = httpx.post(self.url + "/generate", json=body, timeout=120).raise_for_status().json()
-        return self.answer_ids(out), out["meta_info"]["finish_reason"]["type"]
-
     def kill(self) -> None:
         """SIGKILL the server's whole process group (a crash, an OOM kill), then reap it."""
         pid = self.server.pid

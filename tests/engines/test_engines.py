@@ -1,7 +1,7 @@
 """The fleet against a real engine: enqueue -> GPU worker -> store -> inventory -> export (issue 9).
 
 What only a real engine can show: the ids stored are the ids the engine generated, for the ids the
-worker rendered and sent; temperature 0 repeats itself; the engine batches the worker's requests;
+worker rendered and sent; the engine batches the worker's requests;
 an engine killed mid-run pauses the worker and a restarted one resumes it, with every prompt
 ending in exactly one result. Each test runs against every engine of ``live`` (vLLM's CPU build
 here, SGLang on a GPU machine). Run this tier with ``DRAFTFLEET_VLLM_ENV`` set (README).
@@ -75,10 +75,11 @@ def test_fleet_stores_the_engines_own_ids(live, proxy, tmp_path, redis_server, t
             sent = tok.prompt_ids(rec.messages)  # the chat template's render of the stored prompt
             assert tuple(sent) in answers, "the worker sent other prompt ids than the stored prompt renders to"
             engine_ids = [live.answer_ids(a) for a in answers[tuple(sent)]]
-            # exactly the engine's ids: one answer per dataset, both the same (temperature 0)
-            assert engine_ids == [rec.output_ids] * 2, (rec.source, engine_ids, rec.output_ids)
+            # the engine was asked this prompt once per dataset, and one of its answers is the stored one
+            assert len(engine_ids) == 2 and rec.output_ids in engine_ids, (rec.source, engine_ids, rec.output_ids)
             assert rec.prompt_tokens == len(sent) and rec.completion_tokens == len(rec.output_ids)
             finishes[rec.finish_reason] += 1
+            finishes[name, rec.finish_reason] += 1
             if rec.finish_reason == "stop":
                 assert rec.output_ids[-1] == tok.eot_id and tok.eot_id not in rec.output_ids[:-1]
                 assert not rec.truncated
@@ -86,13 +87,17 @@ def test_fleet_stores_the_engines_own_ids(live, proxy, tmp_path, redis_server, t
                 assert rec.finish_reason == "length" and rec.truncated
                 assert len(rec.output_ids) == MAX_TOKENS and tok.eot_id not in rec.output_ids
     assert finishes["stop"] and finishes["length"], finishes
-    for line, rec in by_dataset["a"].items():  # the same prompt through the fleet twice: the same ids
-        assert by_dataset["b"][line].output_ids == rec.output_ids
-
-    # and the engine asked directly, outside the fleet, answers the same
-    for rec in list(by_dataset["a"].values())[:6]:
-        ids, finish = live.complete(tok.prompt_ids(rec.messages), MAX_TOKENS, tok.eot_id)
-        assert (ids, finish) == (rec.output_ids, rec.finish_reason)
+    # exactly the engine's ids: the two records of a prompt are its two answers, each used once. (Temperature 0
+    # does not make them equal: vLLM's CPU kernels are not batch-invariant, and the tiny target's near-ties can
+    # break another way in another batch; CI saw one last token differ.)
+    for line, rec in by_dataset["a"].items():
+        sent = tuple(tok.prompt_ids(rec.messages))
+        pair = sorted([rec.output_ids, by_dataset["b"][line].output_ids])
+        assert pair == sorted(live.answer_ids(a) for a in answers[sent]), line
+    # every request asked for the dataset's temperature, 0: the engine decoded greedily
+    sent_t = [req.get("temperature", req.get("sampling_params", {}).get("temperature"))
+              for _path, req, _resp in proxy.exchanges if live.prompt_field in req]
+    assert sent_t and set(sent_t) == {0.0}, set(sent_t)
 
     for name in ("a", "b"):
         assert_exactly_once(store, r, name, 24)
@@ -106,7 +111,7 @@ def test_fleet_stores_the_engines_own_ids(live, proxy, tmp_path, redis_server, t
         assert inv["responses"] == 24 and inv["completion_tokens"] == sum(len(r.output_ids) for r in records)
         assert [(s["backend"], s["token_source"]) for s in inv["by_source"]] == [(live.name, "exact")]
         v = inv["validation"]
-        assert (v["ids_out_of_vocab"], v["stop_without_eot"], v["truncated"]) == (0, 0, finishes["length"] // 2)
+        assert (v["ids_out_of_vocab"], v["stop_without_eot"], v["truncated"]) == (0, 0, finishes[inv["dataset"], "length"])
     out = tmp_path / "export"
     res = run_cli("export", "--config", str(config), "-d", "a", "-f", "tokens", "--out", str(out), env=env)
     assert res.returncode == 0, res.stderr
