@@ -15,7 +15,9 @@ import pytest
 
 from draftfleet.hidden import HiddenStore, encode_safetensors
 from draftfleet.schemas.config import load_config
-from draftfleet.schemas.records import CaptureManifest, DatasetEvent, FailureRecord, PromptTask, QuarantineEntry
+from draftfleet.identity import settings_id
+from draftfleet.schemas.records import (CaptureManifest, DatasetEvent, DatasetManifest, FailureRecord, PromptTask,
+                                        QuarantineEntry)
 from draftfleet.store import Store
 from draftfleet.views.report import TimeAxis
 
@@ -144,6 +146,43 @@ def test_a_budget_far_above_a_short_run_is_named_not_drawn(tmp_path, tokenizer_d
     assert "budget (as enqueued; 10.00M off the scale)" in tokens, tokens
     assert "200k" in tokens and not {"2M", "10M"} & set(tokens), tokens
 
+
+
+def test_report_draws_one_version_or_every_version_and_plans_only_the_current(tmp_path, tokenizer_dir):
+    """A dataset enqueued again with other settings (``--new-version``): by default the report draws
+    the current version's records only, as inventory counts them; ``--version 1`` the first
+    version's, without the budget and plan (they belong to the version the fleet works on);
+    ``--all-versions`` every record; a version that never was is an error naming the versions."""
+    config = seed_config(tmp_path, tokenizer_dir)
+    cfg = load_config(config)
+    store = Store(cfg.fleet.store)
+    v2 = cfg.dataset("B3_magicoder").settings(cfg.fleet.model)
+    v1 = msgspec.structs.replace(v2, max_tokens=v2.max_tokens // 2)
+    store.write_manifest(DatasetManifest(name="B3_magicoder", version=2, settings=v2, settings_id=settings_id(v2),
+                                         budget_tokens=10_000_000, created_at=time.time(), previous=[v1]))
+    now = time.time()
+    for i, (sid, n) in enumerate([(settings_id(v1), 300)] * 7 + [(settings_id(v2), 900)] * 5):
+        rec = msgspec.structs.replace(record(f"{i:064x}", "B3_magicoder", n, created_at=now - 600 + 30 * i,
+                                             latency_s=5.0), settings_id=sid)
+        assert store.put(rec)
+    out = tmp_path / "run.html"
+
+    def summary(*flags):
+        cp = run_cli("report", "--config", str(config), "--out", str(out), "-d", "B3_magicoder", *flags)
+        assert cp.returncode == 0, cp.stderr
+        page = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", out.read_text()))
+        return page, re.search(r"(\d[\d,]*) responses, ([\d,]+) completion tokens", page).groups()
+
+    page, counts = summary()
+    assert counts == ("5", "4,500") and "version 2 of 2" in page and "plan: to finish" in page
+    assert "completion tokens of a 10,000,000 budget" in page
+    page, counts = summary("--version", "1")
+    assert counts == ("7", "2,100") and "version 1 of 2" in page
+    assert "plan: to finish" not in page and "completion tokens of a" not in page
+    page, counts = summary("--all-versions")
+    assert counts == ("12", "6,600") and "every version" in page
+    cp = run_cli("report", "--config", str(config), "--out", str(out), "--version", "3")
+    assert cp.returncode == 1 and "versions 1 to 2, not 3" in cp.stderr, cp.stderr
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs the chromium OS package (.ci/run installs it)")
 def test_report_renders_in_chromium(tmp_path, tokenizer_dir):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from draftfleet.cli.common import add_common, config_or_store, dataset_names, err
+from rich.markup import escape
+
+from draftfleet.cli.common import add_common, add_version, config_or_store, dataset_names, err
 
 
 def cmd_report(args) -> int:
@@ -10,6 +12,7 @@ def cmd_report(args) -> int:
     from draftfleet.cli.plan import fleet_redis
     from draftfleet.ledger import Ledger
     from draftfleet.store import Store
+    from draftfleet.versions import VersionError, select
     from draftfleet.views.inventory import dataset_keys
     from draftfleet.views.plan import plan_from_store
     from draftfleet.views.report import build_report, write_report
@@ -23,6 +26,11 @@ def cmd_report(args) -> int:
     configured = {d.name: d for d in cfg.datasets} if cfg else {}
     sections = []
     for name in names:
+        try:
+            selection = select(store, name, args.version, args.all_versions)
+        except VersionError as exc:
+            err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
+            return 1
         manifest = store.manifest(name)
         ds = configured.get(name)
         settings = manifest.settings if manifest else (ds.settings(cfg.fleet.model) if ds else None)
@@ -31,7 +39,7 @@ def cmd_report(args) -> int:
             "dataset": name, "max_tokens": ds.max_tokens if ds else settings.max_tokens if settings else None,
             "budget": budget, "caps": caps, "plan": lambda figures: plan_from_store(cfg, figures, r),
             "events_counts": Ledger(r).events(name) if r is not None else {},
-            "prompt_keys": dataset_keys(ds, settings) if ds and settings else None,
+            "prompt_keys": dataset_keys(ds, settings) if ds and settings else None, "selection": selection,
         })
     path = write_report(args.out, build_report(store, sections))
     err.print(f"report: {path} ({len(sections)} dataset(s))", highlight=False)
@@ -41,6 +49,7 @@ def cmd_report(args) -> int:
 def register(sub) -> None:
     sp = sub.add_parser("report", help="the run as pictures: one self-contained HTML file (charts inlined as SVG)")
     add_common(sp)
+    add_version(sp)
     sp.add_argument("--out", "-o", required=True, help="the HTML file to write")
     sp.add_argument("--dataset", "-d", action="append", help="only this dataset (repeatable; default all)")
     sp.set_defaults(func=cmd_report)

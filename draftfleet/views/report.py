@@ -1,6 +1,6 @@
 """``draftfleet report``: a run that lasts days, as pictures, in one self-contained HTML file.
 
-Per dataset (its current version, as inventory takes it), from the store (the truth): the completion-length histogram of each backend with the
+Per dataset (its current version, or ``--version N`` / ``--all-versions``, as inventory takes them), from the store (the truth): the completion-length histogram of each backend with the
 ``max_tokens`` line and the share cut there; tokens over time per backend with the pivots, the
 budget's changes (the store's log, ``Store.events``) and the budget line; cloud spend over time
 against each cap; failures and quarantined lines by reason (with the ledger's retry and failure
@@ -27,6 +27,7 @@ import msgspec
 
 from draftfleet.schemas.records import IMPORTED_BY
 from draftfleet.store import Store
+from draftfleet.versions import Selection, select
 from draftfleet.views.plan import Activity, DatasetPlan, StoreFigures, busy_seconds, duration, headline, tokens, usd
 
 PARALLEL_FROM = 5000  # record files; below this a process pool costs more than it saves
@@ -104,12 +105,11 @@ def _read(paths: list[str], settings_id: str | None) -> Columns:
     return c
 
 
-def read_columns(store: Store, dataset: str, processes: int | None = None) -> Columns:
-    """The records of the dataset's current version (``versions.select``), as inventory takes them."""
-    from draftfleet.versions import select
-
+def read_columns(store: Store, dataset: str, processes: int | None = None, selection: Selection | None = None) -> Columns:
+    """The records of ``selection`` (default the dataset's current version, ``versions.select``), as
+    inventory takes them."""
     paths = store.record_files(dataset)
-    settings_id = select(store, dataset).settings_id
+    settings_id = (selection or select(store, dataset)).settings_id
     n = processes or (min(os.cpu_count() or 1, 8) if len(paths) >= PARALLEL_FROM else 1)
     if n == 1:
         return _read(paths, settings_id)
@@ -399,9 +399,16 @@ def _chart(title: str, svg: str | None, note: str = "") -> str:
 
 def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budget: int | None,
                     caps: dict[str, float | None], plan: Callable[[StoreFigures], DatasetPlan] | None,
-                    events_counts: dict[str, int], prompt_keys: set[str] | None = None) -> str:
-    """One dataset's part of the page; ``plan`` makes its plan from the figures read here."""
-    c = read_columns(store, dataset)
+                    events_counts: dict[str, int], prompt_keys: set[str] | None = None,
+                    selection: Selection | None = None) -> str:
+    """One dataset's part of the page; ``plan`` makes its plan from the figures read here. A
+    ``selection`` other than the current version (``--version``/``--all-versions``) is drawn without
+    budget or plan: those belong to the version the fleet works on now."""
+    current = select(store, dataset)
+    selection = selection or current
+    if selection != current:
+        budget, plan = None, None
+    c = read_columns(store, dataset, selection=selection)
     p = plan(store_figures(c, dataset, budget, prompt_keys)) if plan is not None else None
     events = store.events(dataset)
     t0 = min([*c.at, *(e.at for e in events)], default=time.time())
@@ -412,7 +419,11 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
                + (f" of a {budget:,} budget ({100 * total / budget:.1f}%)" if budget else "")
                + f"; {cut:,} cut at max_tokens ({100 * cut / len(c.tokens) if c.tokens else 0:.1f}%)"
                + (f"; {c.unreadable:,} record files unreadable" if c.unreadable else ""))
-    parts = [f"<h2>{_e(dataset)}</h2>", f"<p>{_e(summary)}</p>"]
+    manifest = store.manifest(dataset)
+    which = ("" if manifest is None else "every version" if selection.version is None
+             else f"version {selection.version} of {manifest.version}")
+    parts = [f"<h2>{_e(dataset)}" + (f" <small>({_e(which)})</small>" if which else "") + "</h2>",
+             f"<p>{_e(summary)}</p>"]
     if p is not None:
         parts.append("<h3>plan: to finish</h3>" + plan_table(p))
     if not c.tokens:
