@@ -35,8 +35,9 @@ def cmd_report(args) -> int:
         ds = configured.get(name)
         settings = manifest.settings if manifest else (ds.settings(cfg.fleet.model) if ds else None)
         budget = budgets.get(name, ds.budget_tokens if ds else manifest.budget_tokens if manifest else None)
+        drawn = selection.settings or settings  # the drawn version's own max_tokens (every version's: the current one's)
         sections.append({
-            "dataset": name, "max_tokens": ds.max_tokens if ds else settings.max_tokens if settings else None,
+            "dataset": name, "max_tokens": drawn.max_tokens if drawn else None,
             "budget": budget, "caps": caps, "plan": lambda figures: plan_from_store(cfg, figures, r),
             "events_counts": Ledger(r).events(name) if r is not None else {},
             "prompt_keys": dataset_keys(ds, settings) if ds and settings else None, "selection": selection,
