@@ -62,6 +62,7 @@ class Claims:
         self.inflight: dict[str, int] = {}  # dataset -> tasks holding a claim
         self._publish = threading.Lock()  # one report written at a time: the last one is the newest
         self._report: WorkerReport | None = None  # the report last published
+        self._withdrawn = False  # stopped cleanly: no beat still under way brings the report back
 
     def acquire(self, key: str, dataset: str) -> str | None:
         """Claim ``key`` for one task of ``dataset``: its token, or None when another task holds it."""
@@ -109,13 +110,14 @@ class Claims:
                 report = msgspec.structs.replace(report, inflight=self.running(), pid=os.getpid(), at=time.time())
                 pipe = self.r.pipeline(transaction=False)
                 with self.refreshing(pipe):
+                    if not self._withdrawn:
+                        pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
                     if mark_state:  # the first to find it gone stamps it with Redis's clock
                         pipe.set(rk.STATE, rk.state_stamp(self.r), nx=True)
                         pipe.get(rk.STATE)
-                    pipe.set(rk.worker_report(self.hostname), msgspec.json.encode(report), ex=int(3 * HEARTBEAT_S))
                     done = pipe.execute()
                 if mark_state:
-                    self._state_seen = done[-2]
+                    self._state_seen = done[-1]
                 self._report = report
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
@@ -153,7 +155,7 @@ class Claims:
         (one SET, none when nothing changed); whether it wrote. Claims and recovery stay the beat's."""
         with self._publish:
             last, running = self._report, self.running()
-            if last is None or running == last.inflight:
+            if last is None or running == last.inflight or self._withdrawn:
                 return False
             report = msgspec.structs.replace(last, inflight=running, at=time.time())
             try:
@@ -164,11 +166,15 @@ class Claims:
             return True
 
     def withdraw(self) -> None:
-        """Take the worker's report down on a clean stop (``status`` drops it at once, not at its TTL)."""
-        try:
-            self.r.delete(rk.worker_report(self.hostname))
-        except redis.RedisError:
-            pass
+        """Take the worker's report down on a clean stop (``status`` drops it at once, not at its TTL).
+        After the beat under way, if any (the lock): a beat that wrote after the delete would list a
+        stopped worker for three beats."""
+        with self._publish:
+            self._withdrawn = True
+            try:
+                self.r.delete(rk.worker_report(self.hostname))
+            except redis.RedisError:
+                pass
 
     def _delete(self, claims: list[tuple[str, str]]) -> None:
         for key, token in claims:

@@ -319,3 +319,30 @@ def test_after_redis_lost_everything_every_worker_puts_its_claims_back_before_en
     finally:
         stop.set()
         loop.join(10)
+
+
+def test_a_beat_under_way_when_the_worker_stops_does_not_bring_its_report_back(redis_server):
+    """A clean stop takes the worker's report down (``status`` drops it at once). A heartbeat that was
+    under way then, or a change of what runs, must not publish it again: before, it did, and the
+    stopped worker stayed listed as live for three beats (CI saw a test wait 30 s for it to go)."""
+    from draftfleet.claims import Claims
+    from draftfleet.schemas.records import WorkerReport
+
+    r = redis_server.client()
+    c = Claims(r, "stopping@h")
+    report = WorkerReport(hostname="stopping@h", kind="gpu", backend="vllm")
+    key = rk.claim("ds", "cc" * 32)
+    token = c.acquire(key, "ds")
+    c.beat(report, mark_state=True)
+    assert r.exists(rk.worker_report("stopping@h")) and r.exists(rk.STATE)
+    c.withdraw()
+    assert not r.exists(rk.worker_report("stopping@h"))
+    c.beat(report, mark_state=True)  # the beat thread's last beat, after the stop
+    c.release(key, "ds", token)  # a task ends: what runs changed
+    c.show_running()
+    assert not r.exists(rk.worker_report("stopping@h"))
+    # the beat still keeps what a stopping worker's tasks hold, and the state marker
+    token = c.acquire(key, "ds")
+    r.delete(key)
+    c.beat(report, mark_state=True)
+    assert r.get(key) == token.encode() and r.exists(rk.STATE)

@@ -120,7 +120,9 @@ def _generate(live, capture: Capture, tmp_path, tokenizer_dir, redis_server, wor
     _enqueue(config, redis_server.url)
     wait_until(lambda: len(store.keys(name)) == n, 180, 0.2, f"{n} records\n{workers.logs()}")
     workers.stop(gen)
-    wait_until(lambda: not _workers_up(r, 1), 30, 0.2, "the generation worker's report to lapse")
+    # a clean stop withdraws the report at once; a stop killed after its 30 s leaves it to its TTL (three beats)
+    wait_until(lambda: not _workers_up(r, 1), 75, 0.2,
+               lambda: f"the generation worker's report to go (exit {gen.poll()})\n{workers.logs()}")
     return config, store
 
 
