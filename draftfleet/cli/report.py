@@ -34,11 +34,14 @@ def cmd_report(args) -> int:
         manifest = store.manifest(name)
         ds = configured.get(name)
         settings = manifest.settings if manifest else (ds.settings(cfg.fleet.model) if ds else None)
+        # another version than the current one is drawn without budget or plan: they are the current one's
+        current = manifest is None or selection.version == manifest.version
         budget = budgets.get(name, ds.budget_tokens if ds else manifest.budget_tokens if manifest else None)
         drawn = selection.settings or settings  # the drawn version's own max_tokens (every version's: the current one's)
         sections.append({
             "dataset": name, "max_tokens": drawn.max_tokens if drawn else None,
-            "budget": budget, "caps": caps, "plan": lambda figures: plan_from_store(cfg, figures, r),
+            "budget": budget if current else None, "caps": caps,
+            "plan": (lambda figures: plan_from_store(cfg, figures, r)) if current else None,
             "events_counts": Ledger(r).events(name) if r is not None else {},
             "prompt_keys": dataset_keys(ds, settings) if ds and settings else None, "selection": selection,
         })

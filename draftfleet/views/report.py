@@ -401,13 +401,9 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
                     caps: dict[str, float | None], plan: Callable[[StoreFigures], DatasetPlan] | None,
                     events_counts: dict[str, int], prompt_keys: set[str] | None = None,
                     selection: Selection | None = None) -> str:
-    """One dataset's part of the page; ``plan`` makes its plan from the figures read here. A
-    ``selection`` other than the current version (``--version``/``--all-versions``) is drawn without
-    budget or plan: those belong to the version the fleet works on now."""
-    current = select(store, dataset)
-    selection = selection or current
-    if selection != current:
-        budget, plan = None, None
+    """One dataset's part of the page: the records of ``selection`` (default its current version);
+    ``plan`` makes its plan from the figures read here."""
+    selection = selection or select(store, dataset)
     c = read_columns(store, dataset, selection=selection)
     p = plan(store_figures(c, dataset, budget, prompt_keys)) if plan is not None else None
     events = store.events(dataset)
