@@ -358,42 +358,92 @@ def read_safetensors(path: str | Path, names: tuple[str, ...] | None = None, *, 
             if names is None or name in names}, meta
 
 
-def rewrite_metadata(path: str | Path, metadata: dict[str, str]) -> bool:
-    """Put ``metadata`` in the file's header in place, in the room the connector left there (its
-    ``header_room`` entry), and fsync the file; False when it does not fit (nothing written). The
-    header keeps its length, so every tensor stays where it is."""
-    with os.fdopen(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+b") as fh:  # a link put in its place is refused
-        head = fh.read(8)
-        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-        if not 0 < n <= 100_000_000:
-            raise ValueError(f"{path}: not a safetensors file")
-        header = json.loads(fh.read(n))
-        old = header.get("__metadata__") or {}
-        if ROOM_KEY not in old:
+def read_sealed(path: str | Path, fh: BinaryIO) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str], str]:
+    """Every tensor (as :func:`read_safetensors`), the metadata, and the digest of exactly the bytes
+    the tensors were taken from (:data:`DIGEST_KEY`): the data section, read once."""
+    header, offset = _header(path, fh)
+    meta = header.pop("__metadata__", None) or {}
+    size = os.fstat(fh.fileno()).st_size
+    fh.seek(offset)
+    data = fh.read(size - offset)
+    if len(data) != size - offset:
+        raise ValueError(f"{path}: {len(data)} data bytes read of {size - offset} (the file shrank)")
+    tensors = {name: (info["dtype"], np.frombuffer(data, dtype=_DTYPES[info["dtype"]],
+                                                   count=math.prod(info["shape"]),
+                                                   offset=info["data_offsets"][0]).reshape(info["shape"]))
+               for name, info in header.items()}
+    return tensors, meta, hashlib.sha256(data).hexdigest()
+
+
+# The stored file's seal: sha256 of its data section (every tensor's bytes, everything after the header),
+# written into its metadata by the capture worker from the bytes it checked (README, "Hidden states").
+DIGEST_KEY = "tensors_sha256"
+
+
+def verify_digest(path: str | Path) -> bool:
+    """Whether a stored file's tensors are still the ones sealed: True when its data hashes to its
+    :data:`DIGEST_KEY`, False when it has none (stored before files were sealed); ``ValueError``
+    naming the file when they differ or the file is malformed. Reads the file once, in pieces."""
+    with open(path, "rb") as fh:
+        header, offset = _header(path, fh)
+        want = (header.get("__metadata__") or {}).get(DIGEST_KEY)
+        if want is None:
             return False
-        header["__metadata__"] = {**{k: v for k, v in old.items() if k != ROOM_KEY}, **metadata}
-        head = json.dumps(header, separators=(",", ":")).encode()
-        if len(head) > n:
-            return False
-        fh.seek(8)
-        fh.write(head + b" " * (n - len(head)))
-        fh.flush()
-        os.fsync(fh.fileno())
+        fh.seek(offset)
+        got = hashlib.file_digest(fh, "sha256").hexdigest()
+    if got != want:
+        raise ValueError(f"{path}: its tensors changed after they were stored ({DIGEST_KEY} {want[:16]}.. sealed, "
+                         f"{got[:16]}.. now): it is not the captured file; capture the unit again (remove the file, "
+                         "then draftfleet capture)")
     return True
 
 
-def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str]) -> bytes:
-    """The bytes of a safetensors file; each tensor given as (dtype name, contiguous array)."""
-    header: dict = {"__metadata__": metadata}
+def rewrite_metadata(file: int | str | Path, metadata: dict[str, str], path: str | Path | None = None) -> bool:
+    """Put ``metadata`` in the file's header in place, in the room the connector left there (its
+    ``header_room`` entry), and fsync the file; False when it does not fit (nothing written). The
+    header keeps its length, so every tensor stays where it is. ``file``: an open read-write
+    descriptor (``path`` then only names it in errors), or a path, opened without following a link."""
+    if not isinstance(file, int):
+        fd = os.open(file, os.O_RDWR | os.O_NOFOLLOW)  # a link put in its place is refused
+        try:
+            return rewrite_metadata(fd, metadata, file)
+        finally:
+            os.close(fd)
+    head = os.pread(file, 8, 0)
+    (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+    if not 0 < n <= MAX_HEADER:
+        raise ValueError(f"{path}: not a safetensors file")
+    header = json.loads(os.pread(file, n, 8))
+    old = header.get("__metadata__") or {}
+    if ROOM_KEY not in old:
+        return False
+    header["__metadata__"] = {**{k: v for k, v in old.items() if k != ROOM_KEY}, **metadata}
+    new = json.dumps(header, separators=(",", ":")).encode()
+    if len(new) > n:
+        return False
+    if os.pwrite(file, new + b" " * (n - len(new)), 8) != n:
+        raise OSError(f"{path}: short write of its header")
+    os.fsync(file)
+    return True
+
+
+def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str], *,
+                       seal: bool = False) -> bytes:
+    """The bytes of a safetensors file; each tensor given as (dtype name, contiguous array).
+    ``seal``: with the data's digest in the metadata (:data:`DIGEST_KEY`), as a stored file has it."""
+    header: dict = {"__metadata__": dict(metadata)}
     chunks, pos = [], 0
     for name, (dtype, arr) in tensors.items():
         data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
         header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [pos, pos + len(data)]}
         chunks.append(data)
         pos += len(data)
+    body = b"".join(chunks)
+    if seal:
+        header["__metadata__"][DIGEST_KEY] = hashlib.sha256(body).hexdigest()
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    return struct.pack("<Q", len(head)) + head + b"".join(chunks)
+    return struct.pack("<Q", len(head)) + head + body
 
 
 # -- the store ------------------------------------------------------------------------------

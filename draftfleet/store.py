@@ -149,23 +149,45 @@ def write_once(final: Path, data: bytes) -> bool:
     return True
 
 
-def link_once(src: str | Path, final: Path) -> bool:
-    """Give the (fsync'd) file at ``src`` the name ``final``, read-only (``FILE_MODE``), unless
-    something is there: True if this call named it. ``write_once`` without writing the bytes again; ``src`` keeps its own name (an
-    ``OSError`` with ``errno.EXDEV`` when the two are on different file systems)."""
-    if os.path.lexists(final):
-        return False
+def link_once(src: int | str | Path, final: Path) -> bool:
+    """Give the (fsync'd) file ``src`` the name ``final``, read-only (``FILE_MODE``), unless something
+    is there: True if this call named it. ``write_once`` without writing the bytes again.
+
+    ``src`` is best an open descriptor: the file linked is then the one it holds, whatever its
+    path names by now (``linkat`` of ``/proc/self/fd/N`` with ``AT_SYMLINK_FOLLOW``, the way
+    ``open(2)`` documents for naming an ``O_TMPFILE``; ``AT_EMPTY_PATH`` would need
+    ``CAP_DAC_READ_SEARCH``). The new name is made in ``final``'s folder through that folder's own
+    descriptor, and ``link`` fails when it is taken (another writer won). A path is opened (no link
+    followed) and linked the same way. ``src`` keeps its own name; ``OSError`` ``EXDEV`` when the two
+    are on different file systems, ``ENOENT`` when the file has no name left to link from, and
+    ``PermissionError`` when ``fchmod`` is refused (the file belongs to another user)."""
+    if not isinstance(src, int):
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            return link_once(fd, final)
+        finally:
+            os.close(fd)
     make_dirs(final.parent)
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    folder = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fchmod(fd, FILE_MODE)  # stored files are read-only, whoever wrote them
+        if _lexists_at(folder, final.name):
+            return False
+        os.fchmod(src, FILE_MODE)  # stored files are read-only, whoever wrote them
+        try:
+            os.link(f"/proc/self/fd/{src}", final.name, dst_dir_fd=folder, follow_symlinks=True)
+        except FileExistsError:
+            return False
+        os.fsync(folder)
     finally:
-        os.close(fd)
+        os.close(folder)
+    return True
+
+
+def _lexists_at(dir_fd: int, name: str) -> bool:
     try:
-        os.link(src, final, follow_symlinks=False)
-    except FileExistsError:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
         return False
-    _fsync_dir(final.parent)
     return True
 
 

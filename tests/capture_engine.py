@@ -28,10 +28,16 @@ def contract(layer_ids: list[int], model_sha: str, hidden: int = 128, num_layers
             "model": "/models/tiny", "model_config_sha256": model_sha}
 
 
-def engine_file(ids: list[int], layers: int, hidden: int = 128, contract: dict | None = None) -> bytes:
-    """The bytes the connector writes for ``ids``: token_ids, finite bf16 states [T, L, H], the contract."""
-    states = f32_to_bf16(np.random.default_rng(len(ids)).standard_normal((len(ids), layers, hidden)).astype(np.float32))
+def engine_file(ids: list[int], layers: int, hidden: int = 128, contract: dict | None = None, room: int = 0,
+                states: np.ndarray | None = None) -> bytes:
+    """The bytes the connector writes for ``ids``: token_ids, finite bf16 states [T, L, H] (or ``states``),
+    the contract, and ``room`` bytes of header room (the fleet's connector leaves HEADER_ROOM)."""
+    if states is None:
+        states = f32_to_bf16(np.random.default_rng(len(ids)).standard_normal((len(ids), layers, hidden))
+                             .astype(np.float32))
     meta = {"draftfleet_contract": json.dumps(contract)} if contract is not None else {}
+    if room:
+        meta["header_room"] = " " * room
     return encode_safetensors({"hidden_states": ("BF16", states), "token_ids": ("I64", np.array(ids, np.int64))}, meta)
 
 

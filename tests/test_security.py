@@ -344,6 +344,115 @@ def test_an_engines_answer_cannot_name_a_file_outside_the_capture_storage(tmp_pa
     assert int(r.hget(rk.capture_progress("ds"), "failed") or 0) == 0
 
 
+def _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, max_attempts: int = 2):
+    """A capture worker's runtime in this process (its real client, store and Redis) and the one
+    unit of a store with one record: (runtime, task, manifest, ids, spans), to drive ``_capture``
+    step by step against a hostile engine."""
+    from draftfleet.hidden import HiddenStore
+    from draftfleet.producer.capture import queue_capture
+    from draftfleet.schemas.records import CaptureTask
+    from draftfleet.tokenizer import TargetTokenizer
+    from draftfleet.workers.app import make_app
+    from draftfleet.workers.capture import CaptureClient, CaptureRuntime, _unit_ids
+
+    from .test_hidden import _capture_fleet
+
+    _config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]],
+                                         max_attempts=max_attempts)
+    r = redis_server.client()
+    assert queue_capture(cfg, store, make_app(redis_server.url, 3600), r, "ds").queued == 1
+    m = HiddenStore(store).manifest("ds", 1)
+    tok = TargetTokenizer.from_config(cfg.fleet)
+    client = CaptureClient(engine.url, cfg.vllm, tok, inflight=1, storage=storage)
+    rt = CaptureRuntime(cfg, store, r, client, tok, "test@here", m.layer_ids, m.model_config_sha256, m.dtype, storage)
+    task = CaptureTask(dataset="ds", key="00" * 32, turn=0, version=1)
+    ids, spans = _unit_ids(rt, task, store.get("ds", task.key))
+    return rt, task, m, ids, spans
+
+
+def test_a_refused_units_file_is_removed_in_the_folder_checked_never_through_a_link_swapped_in(
+        tmp_path, tokenizer_dir, redis_server, monkeypatch):
+    """Issue 26 (a): after the check, the engine swaps ``sub/`` for a link to a folder outside the
+    storage; the refused unit's file is removed in the folder that was checked, nothing outside."""
+    import numpy as np
+
+    from draftfleet.workers import capture
+
+    from .capture_engine import CaptureEngine, contract, engine_file
+    from .test_hidden import _model_sha
+
+    storage, outside = tmp_path / "incoming", tmp_path / "home" / "me"
+    outside.mkdir(parents=True)
+    victim = outside / "req.safetensors"
+    victim.write_text("the user's file\n")
+    (outside / "req.safetensors.lock").write_text("the user's lock\n")
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    (storage / "sub").mkdir()
+
+    def answer(ids):  # inside the folder, right ids and contract, NaN states: refused
+        nan = np.full((len(ids), 4, 128), 0x7FC0, np.uint16)
+        return str(storage / "sub" / "req.safetensors"), engine_file(ids, 4, 128, engine.contract, states=nan)
+
+    engine.answer = answer
+    rt, task, m, ids, spans = _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage)
+    real_check = capture.check_states
+
+    def swap_then_check(ids, got, m):  # the engine acts between the read and what follows it
+        (storage / "sub").rename(storage / "sub-moved")
+        (storage / "sub").symlink_to(outside, target_is_directory=True)
+        real_check(ids, got, m)
+
+    monkeypatch.setattr(capture, "check_states", swap_then_check)
+    assert capture._capture(rt, task, m, ids, spans, "t") == "failed"
+    assert victim.read_text() == "the user's file\n" and (outside / "req.safetensors.lock").exists()
+    assert not list((storage / "sub-moved").iterdir())  # the refused file went, from the folder checked
+    assert (storage / "sub").is_symlink()
+
+
+def test_a_file_renamed_onto_the_checked_name_after_the_check_is_not_what_is_stored(
+        tmp_path, tokenizer_dir, redis_server, monkeypatch):
+    """Issue 26 (b): after the check, the engine renames another file (other ids, NaN states) onto the
+    name it answered; what is stored is the file that was checked, and the other one is not removed
+    as if it were it."""
+    import numpy as np
+
+    from draftfleet.hidden import HEADER_ROOM, HiddenStore, read_safetensors
+    from draftfleet.workers import capture
+
+    from .capture_engine import CaptureEngine, contract, engine_file
+    from .test_hidden import _model_sha
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    name, sent = storage / "req.safetensors", {}
+
+    def answer(ids):  # the connector's own file, with the room the fleet's connector leaves
+        sent["bytes"] = engine_file(ids, 4, 128, engine.contract, room=HEADER_ROOM)
+        return str(name), sent["bytes"]
+
+    engine.answer = answer
+    rt, task, m, ids, spans = _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage)
+    real_check = capture.check_states
+    other_ids = [7] * len(ids)
+    evil = engine_file(other_ids, 4, 128, engine.contract, room=HEADER_ROOM,
+                       states=np.full((len(ids), 4, 128), 0x7FC0, np.uint16))
+
+    def check_then_swap(ids, got, m):
+        real_check(ids, got, m)
+        (storage / "evil.tmp").write_bytes(evil)
+        os.replace(storage / "evil.tmp", name)
+
+    monkeypatch.setattr(capture, "check_states", check_then_swap)
+    assert capture._capture(rt, task, m, ids, spans, "t") == "stored"
+    stored = HiddenStore(rt.store).path("ds", 1, task.key, 0)
+    tensors, meta = read_safetensors(stored)
+    assert tensors["token_ids"][1].tolist() == ids and meta["key"] == task.key
+    (tmp_path / "sent.safetensors").write_bytes(sent["bytes"])
+    want, _ = read_safetensors(tmp_path / "sent.safetensors")
+    assert np.array_equal(tensors["hidden_states"][1], want["hidden_states"][1])  # the states checked, bit for bit
+    assert name.read_bytes() == evil  # not the checked file: left for the orphan sweep, not deleted as it
+
+
 def test_the_engine_imports_the_connector_from_a_private_folder_never_the_data_folder(tmp_path):
     from draftfleet.schemas.config import VLLMLaunch
     from draftfleet.tokenizer import check_code_folder

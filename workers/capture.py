@@ -22,7 +22,10 @@ on the others. The worker waits for each file on the connector's lock (``flock``
 it when the writer lets go), not by polling.
 
 The engine's answer is its word, not the truth: the worker reads and deletes only a file inside
-its storage folder (every link resolved, then held by a descriptor), and stores nothing whose
+its storage folder (every link resolved, the folder then opened from the storage folder without
+following one), and every step after the check (the metadata rewrite, fsync, ``fchmod``, the link
+into the store, removing the engine's name) acts on the descriptors that were checked
+(:class:`EngineFile`), never on the path again; it stores nothing whose
 contract (the connector's configuration, written into each file) differs from the version's; it
 refuses to start on an engine whose first file carries no contract or another one.
 
@@ -45,6 +48,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -60,9 +64,9 @@ from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
 from draftfleet.claims import Claims
-from draftfleet.hidden import (CONVERSATION, DTYPES, HEADER_ROOM, SCALES, CaptureError, HiddenStore, Spans,
+from draftfleet.hidden import (CONVERSATION, DIGEST_KEY, DTYPES, HEADER_ROOM, SCALES, CaptureError, HiddenStore, Spans,
                                TargetModel, capture_settings, check_storage, conversation_spans, encode_safetensors,
-                               read_safetensors, record_units, rewrite_metadata, storage_path)
+                               read_sealed, record_units, rewrite_metadata, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
 from draftfleet.schemas.records import (CaptureManifest, CaptureTask, EngineContract, ResponseRecord, WorkerReport,
                                        turn_name)
@@ -146,16 +150,68 @@ def capture_server(launch: VLLMLaunch, gpus: list[int], port: int, layer_ids: li
     return EngineServer(launch, gpus, port=port, log_path=log_path, env=env)
 
 
-class Captured(NamedTuple):
-    """One engine file: its ids, the states' dtype (the manifest's name) and bits, fp8's scales, and
-    the connector's contract."""
+class EngineFile:
+    """One engine file as it was checked, and every step after the check acts on it: the storage
+    folder's descriptor (opened from the capture storage folder one name at a time, no link
+    followed), the file's own read-write descriptor, its name in that folder, and its identity
+    (``st_dev``, ``st_ino``). The metadata rewrite, fsync, ``fchmod``, the link into the store and the
+    removal of the engine's name never look the path up again: an engine that swaps the file, or a
+    folder above it, after the check changes nothing of what is stored or deleted (issue 26)."""
 
-    path: str  # as the engine named it
+    __slots__ = ("dir_fd", "fd", "name", "path", "identity")
+
+    def __init__(self, dir_fd: int, fd: int, name: str, path: str):
+        st = os.fstat(fd)
+        self.dir_fd, self.fd, self.name, self.path, self.identity = dir_fd, fd, name, path, (st.st_dev, st.st_ino)
+
+    def rewrite_metadata(self, meta: dict[str, str]) -> bool:
+        return rewrite_metadata(self.fd, meta, self.path)
+
+    def link(self, final: Path) -> bool:
+        """The checked file, read-only, at ``final`` in the store (write-once: False if taken)."""
+        return link_once(self.fd, final)
+
+    def named(self) -> bool:
+        """Whether the engine's name still names the checked file."""
+        try:
+            st = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
+
+    def discard(self) -> None:
+        """Remove the engine's name and its lock, within the checked folder and only while the name
+        is still the checked file's (another file renamed onto it is left to the orphan sweep), then
+        let go of both descriptors. Idempotent."""
+        if self.fd < 0:
+            return
+        try:
+            if self.named():
+                _unlink(self.dir_fd, self.name)
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+            os.close(self.dir_fd)
+            self.fd = self.dir_fd = -1
+
+
+class Captured(NamedTuple):
+    """One engine file: its ids, the states' dtype (the manifest's name) and bits, fp8's scales, the
+    connector's contract, the digest of the bytes read (``hidden.DIGEST_KEY``) and the file held."""
+
+    path: str  # as the engine named it (messages only: every step acts on ``file``)
     ids: np.ndarray  # int64 [T]
     dtype: str
     states: np.ndarray  # bf16 bits uint16 or float8_e4m3fn bits uint8, [T, L, H]
     scales: tuple[str, np.ndarray] | None  # (safetensors dtype, array) of hidden_states_scales
     contract: EngineContract | None  # None: not written by the fleet's connector
+    digest: str = ""  # sha256 of the data section the arrays were read from
+    file: EngineFile | None = None
+
+    def discard(self) -> None:
+        if self.file is not None:
+            self.file.discard()
 
 
 _FILE_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
@@ -174,8 +230,8 @@ class CaptureClient(VLLMClient):
         self.slots = threading.BoundedSemaphore(inflight)
 
     def capture(self, ids: list[int]) -> Captured:
-        """The engine's file for exactly ``ids``, read; deleted (with its ``.lock``) if that fails, else
-        the caller's to store and then remove (:func:`discard`)."""
+        """The engine's file for exactly ``ids``, read and held open (``Captured.file``); deleted (with
+        its ``.lock``) if that fails, else the caller's to store and then :meth:`Captured.discard`."""
         body: dict = {"prompt": ids, "max_tokens": 1, "temperature": 0.0}
         if self.model:
             body["model"] = self.model
@@ -186,18 +242,28 @@ class CaptureClient(VLLMClient):
         if not isinstance(path, str):
             raise Halt("no_hidden_states", f"{self.endpoint} returned no hidden_states_path: start it with the "
                        "capture flags (draftfleet worker capture --gpu, or README 'Hidden states')")
-        folder, name = _inside(path, self.storage)
-        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        root, folder, name = _inside(path, self.storage)
         try:
-            if not os.path.samestat(os.fstat(dir_fd), os.stat(folder)):  # swapped since it was resolved
-                raise Halt("hidden_states_path", f"{folder} changed while it was opened: refused")
-            try:
-                return _read_engine_file(dir_fd, name, os.path.join(folder, name))
-            except BaseException:
-                _unlink(dir_fd, name)
-                raise
-        finally:
-            os.close(dir_fd)
+            dir_fd = _open_inside(root, folder)
+        except OSError as exc:
+            raise Halt("hidden_states_path", f"{folder} changed while it was opened ({exc.strerror or exc}): "
+                       "refused, nothing read or deleted") from None
+        return _read_engine_file(dir_fd, name, os.path.join(folder, name))
+
+
+def _open_inside(root: str, folder: str) -> int:
+    """A descriptor of ``folder`` (a real path inside ``root``), opened from ``root`` one name at a
+    time without following a link: a folder swapped for a link since it was resolved is refused."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in Path(os.path.relpath(folder, root)).parts if folder != root else ():
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _unlink(dir_fd: int, name: str) -> None:
@@ -208,74 +274,82 @@ def _unlink(dir_fd: int, name: str) -> None:
             pass
 
 
-def discard(path: str) -> None:
-    """Remove an engine file's name and its lock (``path``: the contained real path a Captured holds;
-    the store keeps its own name of a stored file)."""
-    folder, name = os.path.split(path)
-    dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        _unlink(dir_fd, name)
-    finally:
-        os.close(dir_fd)
-
-
-def _inside(path: str, storage: Path) -> tuple[str, str]:
-    """(real folder, file name) of an engine's file, refused (Halt, nothing touched) unless it lies
-    in ``storage`` once every link is resolved: an answer naming ``/home/me/.ssh/id_ed25519`` or a
-    link out of the folder would otherwise have the worker read and delete it."""
+def _inside(path: str, storage: Path) -> tuple[str, str, str]:
+    """(real storage folder, real folder, file name) of an engine's file, refused (Halt, nothing
+    touched) unless it lies in ``storage`` once every link is resolved: an answer naming
+    ``/home/me/.ssh/id_ed25519`` or a link out of the folder would otherwise have the worker read
+    and delete it."""
     root = os.path.realpath(storage)
     real = os.path.realpath(path) if os.path.isabs(path) else root
     if real == root or os.path.commonpath([root, real]) != root:
         raise Halt("hidden_states_path", f"the engine named {path!r}, not a file inside the capture storage folder "
                    f"{root} ([capture] storage_path): refused, nothing read or deleted; start the engine with "
                    "that folder as its shared_storage_path")
-    return os.path.dirname(real), os.path.basename(real)
+    return root, os.path.dirname(real), os.path.basename(real)
 
 
 def _read_engine_file(dir_fd: int, name: str, path: str) -> Captured:
-    """Wait for the connector to finish the file, read it. Every malformed file is a ``Transient``
-    naming it (retried, then the unit's failure).
+    """Wait for the connector to finish the file, open it in ``dir_fd`` (which the result then
+    holds) and read it. Every malformed file is a ``Transient`` naming it (retried, then the unit's
+    failure); on any failure the file's name is removed and ``dir_fd`` closed.
 
     The connector creates ``<name>.lock`` holding ``LOCK_EX`` when the request is scheduled, before
     the answer names the path, and lets go once the file is renamed into place (or when its
     process dies): a blocking ``LOCK_SH`` sleeps exactly until then, no polling."""
+    held: EngineFile | None = None
     try:
-        lock = os.open(name + ".lock", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass  # a connector without the lock: the file is whole (renamed into place) or absent
-    except OSError as exc:
-        raise Transient("hidden_states_unreadable", f"{path}.lock: {exc.strerror}") from None
-    else:
         try:
-            fcntl.flock(lock, fcntl.LOCK_SH)
-        finally:
-            os.close(lock)
-    if not _exists(dir_fd, name):
-        raise Transient("hidden_states_missing", f"the engine let go of {path}.lock without writing the file "
-                        "(its log says why: a full disk, a write error)")
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)  # a link put in its place is refused
-        with os.fdopen(fd, "rb") as fh:
-            tensors, meta = read_safetensors(path, fh=fh)
-    except OSError as exc:
-        raise Transient("hidden_states_unreadable", f"{path}: {exc.strerror}") from None
-    except ValueError as exc:  # it names the file
-        raise Transient("hidden_states_unreadable", str(exc)) from None
-    ids, states, scales = tensors.get("token_ids"), tensors.get("hidden_states"), tensors.get(SCALES)
-    if ids is None or states is None or states[0] not in _FILE_DTYPES or ids[0] not in ("I64", "I32") \
-            or states[1].ndim != 3 or ids[1].ndim != 1:
-        raise Transient("hidden_states_unreadable", f"{path}: expected token_ids [T] and bf16 or fp8 hidden_states "
-                        "[T, L, H]")
-    return Captured(path, ids[1].astype(np.int64), _FILE_DTYPES[states[0]], states[1],
-                    None if scales is None else (scales[0], scales[1]), _contract(meta, path))
+            lock = os.open(name + ".lock", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass  # a connector without the lock: the file is whole (renamed into place) or absent
+        except OSError as exc:
+            raise Transient("hidden_states_unreadable", f"{path}.lock: {exc.strerror}") from None
+        else:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH)
+            finally:
+                os.close(lock)
+        try:  # no link followed; O_NONBLOCK: a FIFO put there does not hang the open
+            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise Transient("hidden_states_missing", f"the engine let go of {path}.lock without writing the file "
+                            "(its log says why: a full disk, a write error)") from None
+        except PermissionError as exc:
+            raise _not_ours(path, exc) from None
+        except OSError as exc:
+            raise Transient("hidden_states_unreadable", f"{path}: {exc.strerror}") from None
+        held = EngineFile(dir_fd, fd, name, path)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Transient("hidden_states_unreadable", f"{path}: not a regular file")
+        try:
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                tensors, meta, digest = read_sealed(path, fh)
+        except OSError as exc:
+            raise Transient("hidden_states_unreadable", f"{path}: {exc.strerror}") from None
+        except ValueError as exc:  # it names the file
+            raise Transient("hidden_states_unreadable", str(exc)) from None
+        ids, states, scales = tensors.get("token_ids"), tensors.get("hidden_states"), tensors.get(SCALES)
+        if ids is None or states is None or states[0] not in _FILE_DTYPES or ids[0] not in ("I64", "I32") \
+                or states[1].ndim != 3 or ids[1].ndim != 1:
+            raise Transient("hidden_states_unreadable", f"{path}: expected token_ids [T] and bf16 or fp8 "
+                            "hidden_states [T, L, H]")
+        return Captured(path, ids[1].astype(np.int64), _FILE_DTYPES[states[0]], states[1],
+                        None if scales is None else (scales[0], scales[1]), _contract(meta, path), digest, held)
+    except BaseException:
+        if held is not None:
+            held.discard()
+        else:
+            _unlink(dir_fd, name)
+            os.close(dir_fd)
+        raise
 
 
-def _exists(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
+def _not_ours(path: str, exc: OSError) -> Permanent:
+    """The engine's file cannot be made the store's (written, made read-only): the engine runs as
+    another user. Every unit would meet it, so it is a failure, never a retry (issue 26)."""
+    return Permanent("hidden_states_not_ours", f"{path}: {exc.strerror or exc}: the engine's files are not this "
+                     f"worker's (uid {os.geteuid()}) to seal and make read-only; run the engine as the worker's "
+                     "user (or the worker as the engine's)")
 
 
 def _contract(meta: dict[str, str], path: str) -> EngineContract | None:
@@ -537,7 +611,7 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
                     check_states(ids, got, m)
                 except BaseException:
                     if got is not None:  # refused: the engine's file goes
-                        discard(got.path)
+                        got.discard()
                     raise
             except (Halt, Permanent, Transient):
                 raise
@@ -561,17 +635,21 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
                 log.warning("capture %s/%s turn %s: %s; retry %d in %.1fs", task.dataset, task.key,
                             turn_name(task.turn), exc, attempt, delay)
                 time.sleep(delay)
+    stored = False
+    if failure is None:
+        assert got is not None and got.contract is not None
+        meta = unit_metadata(task, m, spans, got.contract)
+        try:
+            stored = _store(rt, task, got, meta)
+        except Permanent as exc:
+            failure = exc
+        finally:
+            got.discard()
     if failure is not None:
         _event(rt, task.dataset, "failed")
         log.error("capture %s/%s turn %s failed: %s (a later draftfleet capture queues it again)", task.dataset,
                   task.key, turn_name(task.turn), failure)
         return "failed"
-    assert got is not None and got.contract is not None
-    meta = unit_metadata(task, m, spans, got.contract)
-    try:
-        stored = _store(rt, task, got, meta)
-    finally:
-        discard(got.path)
     if not stored:
         return "duplicate"
     _event(rt, task.dataset, "captured", len(ids))
@@ -589,30 +667,41 @@ def unit_metadata(task: CaptureTask, m: CaptureManifest, spans: Spans, contract:
 
 
 def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str, str]) -> bool:
-    """Give the engine's file its name in the store, with ``meta`` in its header; False if the unit is
-    there already. The bytes are written again only where they cannot be linked: a file without
-    header room (a server started without the fleet's ``header_room``) or, with ``[capture] copy``,
-    on another file system."""
+    """Give the checked engine file its name in the store, with ``meta`` and the digest of the bytes
+    checked in its header; False if the unit is there already. Every step acts on the descriptors
+    that were checked (``EngineFile``). The bytes are written again only where they cannot be linked:
+    a file without header room (a server started without the fleet's ``header_room``), one whose
+    names are all gone (a file renamed over it), or, with ``[capture] copy``, on another file
+    system; then what was checked (in memory) is what is written."""
     final = rt.hidden.path(task.dataset, task.version, task.key, task.turn)
-    if rewrite_metadata(got.path, meta):
-        try:
-            return link_once(got.path, final)
-        except OSError as exc:
-            if exc.errno != errno.EXDEV:
-                raise StoreError(f"cannot link {got.path} to {final}: {exc.strerror or exc}") from exc
-            if not rt.cfg.capture.copy:
-                raise Halt("hidden_states_other_fs", f"{got.path} is on another file system than the store "
-                           f"{rt.store.root}: set [capture] storage_path on the store's, or [capture] copy = true "
-                           "to write every file twice") from None
-    elif not rt.warned_copy:
-        rt.warned_copy = True
-        log.warning("%s has no header room, or too little for the unit's metadata (%d bytes): such files are written "
-                    "again into the store (start the server with the fleet's connector flags, README 'Hidden states')",
-                    got.path, len(json.dumps(meta)))
+    assert got.file is not None
+    try:
+        if got.file.rewrite_metadata({**meta, DIGEST_KEY: got.digest}):
+            try:
+                return got.file.link(final)
+            except PermissionError as exc:  # fchmod: the file is another user's
+                raise _not_ours(got.path, exc) from None
+            except FileNotFoundError:  # its every name removed or replaced since the check: written from memory
+                log.warning("%s lost its name after it was checked: the states checked are written to the store",
+                            got.path)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise StoreError(f"cannot link {got.path} to {final}: {exc.strerror or exc}") from exc
+                if not rt.cfg.capture.copy:
+                    raise Halt("hidden_states_other_fs", f"{got.path} is on another file system than the store "
+                               f"{rt.store.root}: set [capture] storage_path on the store's, or [capture] copy = true "
+                               "to write every file twice") from None
+        elif not rt.warned_copy:
+            rt.warned_copy = True
+            log.warning("%s has no header room, or too little for the unit's metadata (%d bytes): such files are "
+                        "written again into the store (start the server with the fleet's connector flags, README "
+                        "'Hidden states')", got.path, len(json.dumps(meta)))
+    except PermissionError as exc:  # the header rewrite: the file is another user's
+        raise _not_ours(got.path, exc) from None
     tensors = {"token_ids": ("I64", got.ids), "hidden_states": ("BF16" if got.dtype == "bfloat16" else "F8_E4M3", got.states)}
     if got.scales is not None:
         tensors[SCALES] = got.scales
-    return rt.hidden.put(task.dataset, task.version, task.key, task.turn, encode_safetensors(tensors, meta))
+    return rt.hidden.put(task.dataset, task.version, task.key, task.turn, encode_safetensors(tensors, meta, seal=True))
 
 
 def register(app: Celery) -> None:
@@ -722,8 +811,13 @@ def check_engine(client: CaptureClient, want: EngineContract) -> None:
         got = client.capture([client.tokenizer.eot_id])
         try:
             check_contract(got.contract, want, got.path, "this worker's [capture] settings")
+            try:  # what storing does to each file, on the probe's (discarded anyway)
+                assert got.file is not None
+                os.fchmod(got.file.fd, 0o444)
+            except PermissionError as exc:
+                raise _not_ours(got.path, exc) from None
         finally:
-            discard(got.path)
+            got.discard()
     except (Halt, Permanent, Transient) as exc:
         raise CaptureError(f"{client.endpoint} is not a capture engine this worker can use: {exc}") from None
 
