@@ -526,6 +526,25 @@ class HiddenStore:
             files, turns, tokens, size = files + 1, turns + e.turns, tokens + e.tokens, size + e.bytes
         return files, turns, tokens, size
 
+    def verify(self, dataset: str, version: int) -> tuple[int, int, list[str]]:
+        """Every stored file of a version read against its digest: (files whose tensors are the ones
+        sealed, files without a digest (stored before files were sealed), why each other one is bad)."""
+        good = unsealed = 0
+        bad: list[str] = []
+        for _key, _turn, path in sorted(self.files(dataset, version), key=lambda f: f[2]):
+            try:
+                if verify_digest(path):
+                    good += 1
+                else:
+                    unsealed += 1
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except OSError as exc:
+                bad.append(f"{path}: {exc.strerror or exc}")
+            except ValueError as exc:  # it names the file
+                bad.append(str(exc))
+        return good, unsealed, bad
+
     def entries(self, dataset: str, version: int) -> Iterator[StoredFile]:
         """What each stored file of a version holds, from its header; vanished or unreadable ones skipped."""
         for key, turn, path in self.files(dataset, version):

@@ -28,9 +28,10 @@ from tests.conftest import run_cli, wait_until, write_config
 from tests.test_core import _record
 
 
-def _model(folder, layers: int = 8, hidden: int = 128):
+def _model(folder, layers: int = 8, hidden: int = 128, vocab_size: int = 0):
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "hidden_size": hidden}))
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "hidden_size": hidden,
+                                                    **({"vocab_size": vocab_size} if vocab_size else {})}))
     return folder
 
 
@@ -363,11 +364,12 @@ def test_units_are_every_turn_with_its_stored_prompt_ids(target_tokenizer):
 PROMPT_LEN = 15  # _record's messages rendered by the sample tokenizer's template (checked below)
 
 
-def _capture_fleet(tmp_path, tokenizer_dir, engine_url: str, storage, outputs: list[list[int]], max_attempts: int = 2):
+def _capture_fleet(tmp_path, tokenizer_dir, engine_url: str, storage, outputs: list[list[int]], max_attempts: int = 2,
+                   vocab_size: int = 0):
     """A store of records with these output ids, a config whose vLLM is ``engine_url``; (config path, cfg, store)."""
     config = write_config(tmp_path, tokenizer=tokenizer_dir, max_attempts=max_attempts,
                           datasets=[{"name": "ds", "path": str(tmp_path / "d.jsonl")}])
-    model = _model(tmp_path / "model")
+    model = _model(tmp_path / "model", vocab_size=vocab_size)
     with open(config, "a") as fh:
         fh.write(f'\n[capture]\nmodel_path = "{model}"\nstorage_path = "{storage}"\ninflight = 2\n'
                  f'\n[backends.vllm]\nurls = ["{engine_url}"]\nrequest_timeout_s = 30.0\n')
@@ -388,8 +390,8 @@ def test_prompt_len_is_the_records_render(target_tokenizer):
     assert len(target_tokenizer.prompt_ids(_record("00" * 32).messages)) == PROMPT_LEN
 
 
-def _model_sha(tmp_path) -> str:
-    return TargetModel.load(_model(tmp_path / "model")).config_sha256
+def _model_sha(tmp_path, vocab_size: int = 0) -> str:
+    return TargetModel.load(_model(tmp_path / "model", vocab_size=vocab_size)).config_sha256
 
 
 def test_capture_stores_nothing_an_engine_of_other_layers_computed(tmp_path, tokenizer_dir, target_tokenizer,

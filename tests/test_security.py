@@ -344,10 +344,10 @@ def test_an_engines_answer_cannot_name_a_file_outside_the_capture_storage(tmp_pa
     assert int(r.hget(rk.capture_progress("ds"), "failed") or 0) == 0
 
 
-def _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, max_attempts: int = 2):
+def _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, max_attempts: int = 2, vocab_size: int = 0):
     """A capture worker's runtime in this process (its real client, store and Redis) and the one
     unit of a store with one record: (runtime, task, manifest, ids, spans), to drive ``_capture``
-    step by step against a hostile engine."""
+    step by step against a hostile engine; the config's path is ``rt.cfg.path``."""
     from draftfleet.hidden import HiddenStore
     from draftfleet.producer.capture import queue_capture
     from draftfleet.schemas.records import CaptureTask
@@ -357,8 +357,8 @@ def _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, max_at
 
     from .test_hidden import _capture_fleet
 
-    _config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]],
-                                         max_attempts=max_attempts)
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]],
+                                        max_attempts=max_attempts, vocab_size=vocab_size)
     r = redis_server.client()
     assert queue_capture(cfg, store, make_app(redis_server.url, 3600), r, "ds").queued == 1
     m = HiddenStore(store).manifest("ds", 1)
@@ -451,6 +451,69 @@ def test_a_file_renamed_onto_the_checked_name_after_the_check_is_not_what_is_sto
     want, _ = read_safetensors(tmp_path / "sent.safetensors")
     assert np.array_equal(tensors["hidden_states"][1], want["hidden_states"][1])  # the states checked, bit for bit
     assert name.read_bytes() == evil  # not the checked file: left for the orphan sweep, not deleted as it
+
+
+def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_verify_and_every_export(
+        tmp_path, tokenizer_dir, redis_server, monkeypatch):
+    """Issue 26 (2): the store's name and the engine's are one inode, and an engine that keeps its
+    descriptor can still write into the stored, read-only file. The digest stored with it catches
+    that: ``inventory --verify`` names the file and exits 1; both hidden-state exports leave it out
+    with one error naming it."""
+    import numpy as np
+
+    from draftfleet.export import features
+    from draftfleet.hidden import DIGEST_KEY, HEADER_ROOM, HiddenStore, _header, encode_safetensors, read_safetensors
+    from draftfleet.schemas.records import CaptureTask
+    from draftfleet.workers import capture
+
+    from .capture_engine import CaptureEngine, contract, engine_file
+    from .test_hidden import _model_sha, _put_record
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path, vocab_size=1000)))
+    held = {}
+
+    def answer(ids):  # the connector's file, and the engine keeps a descriptor of it open
+        path = storage / "req.safetensors"
+        path.write_bytes(engine_file(ids, 4, 128, engine.contract, room=HEADER_ROOM))
+        held["fd"] = os.open(path, os.O_RDWR)
+        return str(path), None
+
+    engine.answer = answer
+    rt, task, m, ids, spans = _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, vocab_size=1000)
+    assert capture._capture(rt, task, m, ids, spans, "t") == "stored"
+    hidden = HiddenStore(rt.store)
+    stored = hidden.path("ds", 1, task.key, 0)
+    assert os.path.samestat(os.fstat(held["fd"]), os.stat(stored))  # one inode: the engine still holds it
+    assert len(read_safetensors(stored)[1][DIGEST_KEY]) == 64 and hidden.verify("ds", 1) == (1, 0, [])
+    env, config = {"REDIS_URL": redis_server.url, "COLUMNS": "1000"}, str(rt.cfg.path)
+    res = run_cli("inventory", "--config", config, "--verify", "--roundtrip-sample", "0", env=env)
+    assert res.returncode == 0 and "verified: 1 files" in res.stdout, res
+
+    header, data_at = _header(stored)  # the engine writes another id over the first one, after the store
+    os.pwrite(held["fd"], np.int64(7).tobytes(), data_at + header["token_ids"]["data_offsets"][0])
+    os.close(held["fd"])
+    assert read_safetensors(stored)[0]["token_ids"][1][0] == 7  # 0444 kept no open descriptor out
+    res = run_cli("inventory", "--config", config, "--verify", "--roundtrip-sample", "0", env=env)
+    assert res.returncode == 1, res
+    [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert str(stored) in line and "its tensors changed after they were stored" in line, line
+    assert "1 changed or unreadable" in res.stdout
+
+    model = tmp_path / "model"  # SpecForge's export reads the final norm from it
+    (model / "model.safetensors").write_bytes(encode_safetensors({"model.norm.weight": ("F32", np.ones(128, "f4"))}, {}))
+    monkeypatch.setattr(features, "_run_torch", lambda plan, python: None)  # torch's files: tests/engines
+    _put_record(rt.store, 1, [1, 2, 3, 5])
+    other = CaptureTask(dataset="ds", key="01" * 32, turn=0, version=1)
+    ids2, spans2 = capture._unit_ids(rt, other, rt.store.get("ds", other.key))
+    assert capture._capture(rt, other, m, ids2, spans2, "t") == "stored"  # a sound file beside the changed one
+    got = features.export_features(rt.store, "ds", tmp_path / "out", ["speculators", "specforge"],
+                                   model_path=str(model))
+    assert got.rows == 1 and len(got.bad_files) == 1 and str(stored) in got.bad_files[0]
+    assert "its tensors changed after they were stored" in got.bad_files[0]
+    assert [p.name for p in (tmp_path / "out" / "ds.speculators" / "hidden_states").iterdir()] == ["hs_0.safetensors"]
+    assert os.path.samefile(tmp_path / "out" / "ds.speculators" / "hidden_states" / "hs_0.safetensors",
+                            hidden.path("ds", 1, other.key, 0))
 
 
 def test_the_engine_imports_the_connector_from_a_private_folder_never_the_data_folder(tmp_path):

@@ -87,6 +87,9 @@ def cmd_export(args) -> int:
                                               all_versions=args.all_versions,
                                               chat_template_sha256=template.chat_template_sha256 if template else None)
                      for name in captured]
+            for f in found:
+                for why in f.bad_files:
+                    err.print(f"[red]error[/]: {escape(why)}: not exported", highlight=False)
             if args.json:
                 print(msgspec.json.encode(found).decode())
             else:

@@ -73,6 +73,13 @@ def print_inventory(invs, store_alone: bool = False) -> None:
             out.print(f"hidden states v{h.version} (layers {h.layer_ids}, {h.dtype}): {h.turns:,} of {h.units:,} turns "
                       f"captured{held}, {h.tokens:,} tokens, {h.bytes / 1e9:,.3f} GB ({h.bytes_per_token:,.0f} B/token); "
                       f"the rest and the budget left: about {h.projected_bytes / 1e9:,.2f} GB more", highlight=False)
+            if h.verified is not None:
+                out.print(f"  verified: {h.verified:,} files hold the tensors sealed when they were stored"
+                          + (f"; {h.unsealed:,} stored before files carried a digest, not checked" if h.unsealed else "")
+                          + (f"; [red]{len(h.bad_files):,} changed or unreadable[/]" if h.bad_files else ""),
+                          highlight=False)
+            for why in h.bad_files:
+                err.print(f"[red]error[/]: {escape(why)}", highlight=False)
         if v.roundtrip_mismatch_share is not None:
             out.print(f"  round-trip mismatch share: {ROUNDTRIP_MEANING}", highlight=False)
         for f in v.unreadable_files[:10]:
@@ -91,7 +98,7 @@ def cmd_inventory(args) -> int:
     try:
         invs = with_plans(args, cfg, run_inventory(root, cfg, args.dataset, optional_tokenizer(args, cfg),
                                                    args.roundtrip_sample, version=args.version,
-                                                   all_versions=args.all_versions))
+                                                   all_versions=args.all_versions, verify=args.verify))
     except VersionError as exc:
         err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
         return 1
@@ -99,7 +106,7 @@ def cmd_inventory(args) -> int:
         print(msgspec.json.encode(invs).decode())
     else:
         print_inventory(invs, store_alone=cfg is None)
-    return 0
+    return 1 if any(inv.hidden_states and inv.hidden_states.bad_files for inv in invs) else 0
 
 
 def cmd_reconcile(args) -> int:
@@ -140,6 +147,9 @@ def register(sub) -> None:
     add_version(sp)
     sp.add_argument("--roundtrip-sample", type=int, default=200,
                     help="exact records checked decode->encode (at most 100k tokens of them; 0: skip)")
+    sp.add_argument("--verify", action="store_true",
+                    help="read every hidden-state file of the latest capture version against the digest stored with "
+                    "it; exit 1 if one changed since it was stored")
     sp.add_argument("--json", action="store_true", help="print the inventory as JSON")
     sp.set_defaults(func=cmd_inventory)
 

@@ -43,7 +43,7 @@ from draftfleet.conversation import record_turns
 from draftfleet.export import ExportError, _order, _selection
 from draftfleet.export import specforge, speculators, torch_files
 from draftfleet.hidden import (CONVERSATION, HiddenStore, Spans, TargetModel, encode_safetensors, file_spans, loss_mask,
-                               read_safetensors)
+                               read_safetensors, verify_digest)
 from draftfleet.schemas.records import GenerationSettings
 from draftfleet.store import Store
 from draftfleet.versions import Selection
@@ -98,6 +98,7 @@ class FeaturesManifest(msgspec.Struct, kw_only=True):
     rows: int
     tokens: int
     missing: int  # record turns with output ids but no captured file (run draftfleet capture)
+    bad_files: list[str] = []  # stored files not exported, each with why: changed since stored (digest), unreadable
     units: str = "turn"  # the capture version's: "conversation" (a conversation whose turns prefix each other is one row)
     conversation_rows: int = 0  # rows that are a whole conversation (id <key>, the loss mask over every answer)
     per_turn_conversations: int = 0  # conversations of 2+ turns exported a row per turn (id <key>_gen<turn>)
@@ -111,13 +112,14 @@ class FeaturesManifest(msgspec.Struct, kw_only=True):
 DRAFT_VOCAB_SIZE = 32000  # the trainers' usual reduced draft vocabulary
 
 
-def _rows(store: Store, dataset: str, version: int,
-          chosen: Selection) -> tuple[list[tuple[str, list[int], list[int], str, Spans]], int, list[str]]:
+def _rows(store: Store, dataset: str, version: int, chosen: Selection
+          ) -> tuple[list[tuple[str, list[int], list[int], str, Spans]], int, list[str], list[str]]:
     """(id, ids, loss mask, file, answer spans) per captured unit of the chosen records, in export
     order: a conversation captured once is one row (id ``<key>``, the mask over every answer), else
-    a row per turn; how many turns lack a file; the conversations of 2+ turns captured per turn."""
+    a row per turn; how many turns lack a file; the conversations of 2+ turns captured per turn;
+    why each file left out is bad (its tensors changed since it was stored, or it cannot be read)."""
     hidden = HiddenStore(store)
-    rows, missing, per_turn = [], 0, []
+    rows, missing, per_turn, bad = [], 0, [], []
     for rec in sorted(filter(chosen.takes, store.records(dataset)), key=_order):
         whole = hidden.path(dataset, version, rec.key, CONVERSATION)
         if rec.turns and whole.exists():
@@ -135,11 +137,19 @@ def _rows(store: Store, dataset: str, version: int,
                     continue
                 units.append((f"{rec.key}_gen{turn}" if rec.turns else rec.key, path))
         for rid, path in units:
-            tensors, meta = read_safetensors(path, ("token_ids",))  # the ids; the states stay on disk
-            ids = tensors["token_ids"][1].tolist()
-            spans = file_spans(meta, len(ids), path)
+            try:
+                verify_digest(path)  # a file changed since it was stored is no sample
+                tensors, meta = read_safetensors(path, ("token_ids",))  # the ids; the states stay on disk
+                ids = tensors["token_ids"][1].tolist()
+                spans = file_spans(meta, len(ids), path)
+            except OSError as exc:
+                bad.append(f"{path}: {exc.strerror or exc}")
+                continue
+            except (ValueError, KeyError) as exc:  # it names the file
+                bad.append(str(exc) if isinstance(exc, ValueError) else f"{path}: no {exc} tensor")
+                continue
             rows.append((rid, ids, loss_mask(len(ids), spans), str(path), spans))
-    return rows, missing, per_turn
+    return rows, missing, per_turn, bad
 
 
 def token_counts(rows: list) -> Counter:
@@ -168,7 +178,7 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
     if m is None:
         raise ExportError(f"{dataset}: no captured hidden states" + (f" in version {version}" if version else "")
                           + ": run draftfleet capture and a capture worker first")
-    rows, missing, per_turn = _rows(store, dataset, m.version, chosen)
+    rows, missing, per_turn, bad = _rows(store, dataset, m.version, chosen)
     counts = sorted(token_counts(rows).items())
     layers = layer_contract(m, formats, chat_template_sha256)
     out = Path(out_dir)
@@ -222,7 +232,7 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
                                 capture_version=m.version, layer_ids=m.layer_ids, model=m.model,
                                 dtype=m.dtype, rows=len(rows), tokens=sum(len(r[1]) for r in rows), missing=missing,
                                 folders=folders, draft_vocab_size=draft, trained_tokens=sum(n for _, n in counts),
-                                layers=layers, notes=notes, units=m.units,
+                                layers=layers, notes=notes, units=m.units, bad_files=bad,
                                 conversation_rows=sum(r[3].endswith(".conversation.safetensors") for r in rows),
                                 per_turn_conversations=len(per_turn))
     (out / f"{dataset}.features.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")

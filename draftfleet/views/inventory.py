@@ -83,6 +83,9 @@ class HiddenInventory(msgspec.Struct, kw_only=True):
     dtype: str = "bfloat16"
     bytes_per_token: float = 0.0  # what the files hold a token (the dtype's figure while there are none)
     projected_bytes: int = 0  # what the turns not captured yet and the budget left will take, in this dtype
+    verified: int | None = None  # --verify: files whose tensors hash to the digest stored with them (None: not read)
+    unsealed: int = 0  # --verify: files without a digest (stored before files carried one): not checked
+    bad_files: list[str] = []  # --verify: each file changed since it was stored (or unreadable), with why
 
 
 class DatasetInventory(msgspec.Struct, kw_only=True):
@@ -349,9 +352,11 @@ def run_inventory(
     processes: int | None = None,
     version: int | None = None,
     all_versions: bool = False,
+    verify: bool = False,
 ) -> list[DatasetInventory]:
     """Inventory of each dataset (its current version, or ``version``, or ``all_versions``);
-    budgets and prices from the config, else from the manifests. A version it lacks: VersionError."""
+    budgets and prices from the config, else from the manifests. A version it lacks: VersionError.
+    ``verify``: read every hidden-state file of the latest capture version against its digest."""
     store = Store(store_root)
     names = datasets or (store.datasets() if cfg is None else [d.name for d in cfg.datasets])
     prices = {n: (c.price_input_per_mtok, c.price_output_per_mtok) for n, c in (cfg.clouds.items() if cfg else [])}
@@ -370,11 +375,11 @@ def run_inventory(
         inv = inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,
                                 roundtrip_sample=roundtrip_sample, processes=processes, prompt_keys=keys,
                                 records=chosen)
-        out.append(msgspec.structs.replace(inv, hidden_states=_hidden_inventory(store, inv)))
+        out.append(msgspec.structs.replace(inv, hidden_states=_hidden_inventory(store, inv, verify)))
     return out
 
 
-def _hidden_inventory(store: Store, inv: DatasetInventory) -> HiddenInventory | None:
+def _hidden_inventory(store: Store, inv: DatasetInventory, verify: bool = False) -> HiddenInventory | None:
     """The latest capture version's files, and what the rest will take: every turn's prompt and answer
     tokens (what capture feeds the engine) not captured yet, plus the budget left with its prompts."""
     from draftfleet.hidden import HiddenStore, measured_bytes_per_token, projected_bytes
@@ -388,8 +393,10 @@ def _hidden_inventory(store: Store, inv: DatasetInventory) -> HiddenInventory | 
     fed = inv.prompt_tokens + inv.completion_tokens  # summed over a conversation's turns, as per-turn capture feeds them
     if m.units == "conversation" and turns:  # conversations captured once feed fewer: as many a turn as so far
         fed = max(tokens, round(tokens * inv.turns / turns))
+    verified, unsealed, bad = hidden.verify(inv.dataset, m.version) if verify else (None, 0, [])
     return HiddenInventory(version=m.version, layer_ids=m.layer_ids, units=inv.turns, files=files, turns=turns,
                            tokens=tokens, bytes=size, dtype=m.dtype, bytes_per_token=bpt,
                            projected_bytes=projected_bytes(bpt, fed - tokens, inv.remaining_tokens, fed,
-                                                           inv.completion_tokens))
+                                                           inv.completion_tokens),
+                           verified=verified, unsealed=unsealed, bad_files=bad)
 
