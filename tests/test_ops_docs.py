@@ -39,13 +39,29 @@ def test_every_draftfleet_command_exists(doc):
         parse_cli(command)
 
 
+COMPOSE_GLOBAL_OPTIONS = {"--profile", "-f", "--file", "-p", "--project-name", "--env-file"}  # each takes a value
+
+
+def compose_invocation(command: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """``docker compose [global options] SUBCOMMAND ARGS`` as (global options, [SUBCOMMAND, *ARGS])."""
+    words, options = command[2:], {}
+    while words and words[0] in COMPOSE_GLOBAL_OPTIONS:
+        options.setdefault(words[0], []).append(words[1])
+        words = words[2:]
+    return options, words
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_compose_service_exists(doc):
-    services = set(yaml.safe_load((REPO / "compose.yaml").read_text())["services"])
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    services = set(compose["services"])
+    profiles = {p for svc in compose["services"].values() for p in svc.get("profiles", [])}
     for command in shell_commands(doc.read_text()):
         if command[:2] != ["docker", "compose"]:
             continue
-        named = [w for w in command[3:] if not w.startswith("-") and "=" not in w]
+        options, words = compose_invocation(command)
+        assert set(options.get("--profile", [])) <= profiles, f"{doc.name}: {' '.join(command)}"
+        named = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
         scaled = [w.split("=")[0] for w in command if re.fullmatch(r"[a-z0-9-]+=\d+", w)]
         assert set(named) | set(scaled) <= services, f"{doc.name}: {' '.join(command)}"
 
@@ -85,3 +101,27 @@ def test_every_page_a_user_is_sent_to_exists():
     assert not missing, missing
     assert "Facts: ENGINES.md" in (REPO / "ops" / "vllm-cpu-env.sh").read_text()  # the page beside the script
     assert (REPO / "ops" / "ENGINES.md").exists()
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_bucket_section_matches_compose_and_cli():
+    """ops/scaling.md's bucket section: its commands run, the .env it shows names what compose.yaml
+    reads, and the variables it tells users to set reach every fleet service."""
+    section = _section((REPO / "ops" / "scaling.md").read_text(), "## 3. Or one store in a bucket")
+    commands = shell_commands(section)
+    stores = [parse_cli(c).store for c in commands if c[0] == "draftfleet"]
+    assert any(s.startswith("s3://") for s in stores), stores
+    compose_lines = [" ".join(c) for c in commands if c[:2] == ["docker", "compose"]]
+    assert "docker compose --profile s3 up -d" in compose_lines
+    compose_text = (REPO / "compose.yaml").read_text()
+    (env_block,) = re.findall(r"In `\.env`[^\n]*\n\n```\n(.*?)```", section, re.S)
+    names = [line.split("=", 1)[0] for line in env_block.splitlines() if line.strip()]
+    assert names and all("${" + n in compose_text for n in names), names
+    fleet = yaml.safe_load(compose_text)["services"]["cloud"]["environment"]
+    for var in ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert f"`{var}`" in section and var in fleet, var
