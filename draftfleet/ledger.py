@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import redis
 
 from draftfleet import redis_keys as rk
@@ -47,6 +48,9 @@ RATE_BUCKET_S = 10
 RATE_KEEP_S = 900
 # Due reservations handled by one admission (the rest by the next ones), so none waits on a backlog.
 EXPIRE_BATCH = 64
+# The dataset counters that the budget has spent (admission's committed tokens, ``budget_use``):
+# the counted records' completion tokens, and the paid turns of conversations not stored yet.
+BUDGET_FIELDS = ("completion_tokens", "paid_tokens")
 # When to look again at a reservation whose claim has no TTL (claims always have one in the fleet).
 RECHECK_MS = 30_000
 
@@ -189,12 +193,12 @@ return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 _ADMIT = _SETTLE + """
 local res, due, agg = KEYS[2], KEYS[5], KEYS[6]
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms',
-                     'paid_tokens')
+local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms')
 local counted, responses = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local sq, latency_ms = tonumber(f[3] or '0'), tonumber(f[4] or '0')
--- what the budget has spent: the counted records, and the paid turns of conversations not yet stored
-local committed = counted + tonumber(f[5] or '0')
+-- what the budget has spent (BUDGET_FIELDS: the counted records, the paid turns of conversations not stored)
+local committed = 0
+for _, v in ipairs(redis.call('HMGET', KEYS[1], @BUDGET_FIELDS@)) do committed = committed + tonumber(v or '0') end
 local budget, expect, cap_tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
 local token = ARGV[9]
 -- the budget enqueue published last (assign.py) wins over the caller's, which may be a second old
@@ -293,7 +297,7 @@ end
 redis.call('HSET', KEYS[4], 'cap', math.floor(math.max(room / 2, expect)), 'admitted', expect)
 take()
 return done(1)
-"""
+""".replace("@BUDGET_FIELDS@", ", ".join(f"'{f}'" for f in BUDGET_FIELDS))
 
 # Empty a closed dataset's queue, unless an enqueue reopened it meanwhile (its new tasks stay),
 # but for the conversations with paid turns (in paid_keys): each must come once more, to end as a
@@ -314,6 +318,37 @@ return n - #keep
 """
 
 ADMITTED, WAIT, REFUSED, CLOSED = 1, 2, 0, -1
+
+
+class BudgetUse(msgspec.Struct, frozen=True, kw_only=True):
+    """What a dataset's budget has spent and has left, as admission counts it (:func:`budget_use`).
+
+    Admission and every view (status, plan, metrics, report, inventory) take the figure from
+    here, so that a view never promises room that admission refuses."""
+
+    budget_tokens: int | None
+    stored_tokens: int  # completion tokens of the dataset's stored (counted) records, every version
+    paid_tokens: int  # tokens of the paid turns of conversations with no record yet (kept in _progress/)
+    spent_tokens: int  # the two together: what admission counts as committed
+    left_tokens: int | None  # the budget less what is spent (None: no budget)
+    expected_tokens: int  # what admission reserves for the next prompt (the mean, or half of max_tokens)
+    full: bool  # less than that is left: admission refuses the next prompt and the dataset closes
+
+
+def budget_use(budget: int | None, stored: int, paid: int, expected: int) -> BudgetUse:
+    """The one definition of a budget's use: spent = stored records + paid turns not stored."""
+    spent = stored + paid
+    left = None if budget is None else max(0, budget - spent)
+    return BudgetUse(budget_tokens=budget, stored_tokens=stored, paid_tokens=paid, spent_tokens=spent,
+                     left_tokens=left, expected_tokens=expected, full=left is not None and left < expected)
+
+
+def expected_tokens(responses: int, completion_tokens: int, max_tokens: int) -> int:
+    """Tokens the next response of a dataset is expected to take: the running mean once five are
+    counted, else half of ``max_tokens`` (what admission reserves)."""
+    if responses >= 5:
+        return max(1, round(completion_tokens / responses))
+    return max(1, max_tokens // 2)
 
 
 def micro_usd(cost: float) -> int:
@@ -414,9 +449,13 @@ class Ledger:
     def expected_tokens(self, dataset: str, max_tokens: int) -> int:
         """Tokens a response of this dataset is expected to take: the running mean, once known."""
         t = _decode_hash(self.r.hgetall(rk.dataset_totals(dataset)))
-        if t.get("responses", 0) >= 5:
-            return max(1, round(t["completion_tokens"] / t["responses"]))
-        return max(1, max_tokens // 2)
+        return expected_tokens(t.get("responses", 0), t.get("completion_tokens", 0), max_tokens)
+
+    def budget_use(self, dataset: str, budget: int | None, max_tokens: int) -> BudgetUse:
+        """The dataset's budget as admission sees it now (``max_tokens``: its tasks')."""
+        t = self.dataset_totals(dataset)
+        stored, paid = (t.get(f, 0) for f in BUDGET_FIELDS)
+        return budget_use(budget, stored, paid, expected_tokens(t.get("responses", 0), stored, max_tokens))
 
     def admit(self, dataset: str, key: str, token: str, budget: int, expected: int, max_tokens: int) -> int:
         """ADMITTED (reservation held), WAIT (no room unless what is in flight comes in short),

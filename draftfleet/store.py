@@ -356,6 +356,12 @@ class Store:
         base = self.root / "_progress" / check_name(dataset)
         return {p.name[:-5] for p in base.glob("[!.]*.json")} if base.is_dir() else set()
 
+    def paid_tokens(self, dataset: str) -> int:
+        """Completion tokens of the kept turns of conversations with no record yet: paid, so spent
+        from the budget (what the reconciler rebuilds the ledger's ``paid_tokens`` from)."""
+        return sum(t.completion_tokens for key in self.progress_keys(dataset) if not self.has(dataset, key)
+                   for t in getattr(self.progress(dataset, key), "turns", []))
+
     # -- quarantine ----------------------------------------------------------------------
     def quarantine_path(self, dataset: str) -> Path:
         return self.root / "_quarantine" / f"{check_name(dataset)}.jsonl"

@@ -255,3 +255,20 @@ def test_a_stale_copy_never_releases_the_reservation_of_the_copy_that_runs_now(r
     assert ledger.admit("ds", "k", "host:2:b", 10**6, 100, 1000) == ADMITTED
     r.set(rk.claim("ds", "k"), "host:3:c", ex=120)
     assert ledger.drop_dead("ds") == 1 and not r.exists(rk.reservations("ds"))
+
+
+def test_admission_refuses_because_of_paid_turns(redis_server):
+    """Conversations not stored yet have paid 900 tokens of a 1,000 budget (``prepay``): an ask of
+    128 tokens is refused and the dataset closes, where the same ask on a dataset with no paid
+    turns is admitted. The views' figure (``budget_use``) says the same: 100 left, full."""
+    r = redis_server.client()
+    ledger = Ledger(r)
+    for turn in range(3):
+        assert ledger.prepay("ds", "conv", turn, "cloudy", 0.001, 300)
+    for name in ("ds", "fresh"):
+        r.set(rk.claim(name, "ask"), "w", ex=120)
+    assert ledger.admit("fresh", "ask", "w", 1000, 128, 256) == ADMITTED
+    use = ledger.budget_use("ds", 1000, 256)
+    assert (use.spent_tokens, use.paid_tokens, use.left_tokens, use.expected_tokens, use.full) == (900, 900, 100, 128, True)
+    assert ledger.admit("ds", "ask", "w", 1000, 128, 256) == REFUSED and ledger.closed_at("ds") == 1000
+    assert not ledger.budget_use("fresh", 1000, 256).full

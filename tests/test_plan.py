@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import msgspec
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assign
 from draftfleet.identity import prompt_key
-from draftfleet.ledger import Ledger
+from draftfleet.ledger import REFUSED, Ledger
 from draftfleet.producer.enqueue import prompt_messages
 from draftfleet.producer.readers import read_prompts
 from draftfleet.schemas.config import load_config
-from draftfleet.schemas.records import Message, ResponseRecord, Usage, WorkerReport
+from draftfleet.schemas.records import Message, ResponseRecord, Turn, TurnProgress, Usage, WorkerReport
 from draftfleet.store import Store
-from draftfleet.views.plan import BackendMeasure, plan_dataset
+from draftfleet.views.metrics import FleetCollector
+from draftfleet.views.plan import BackendMeasure, budget_from_store, plan_dataset
 from draftfleet.views.status import render, snapshot
 
 from tests.conftest import run_cli, write_jsonl
@@ -25,7 +30,8 @@ SEED_RESPONSES, SEED_TOKENS, SEED_BUDGET, GPU_TPS = 1746, 5_741_932, 10_000_000,
 SEED_LEFT = SEED_BUDGET - SEED_TOKENS  # 4,258,068: "~4.3M more to hit the 10M budget"
 
 
-def seed_config(tmp_path, tokenizer_dir, prompts: int = 5000):
+def seed_config(tmp_path, tokenizer_dir, prompts: int = 5000, budget: int = SEED_BUDGET, max_tokens: int = 8192,
+                extra: str = ""):
     data = write_jsonl(tmp_path / "magicoder.jsonl", [{"prompt": f"write function number {i}"} for i in range(prompts)])
     path = tmp_path / "fleet.toml"
     path.write_text(f"""
@@ -37,9 +43,9 @@ tokenizer = "{tokenizer_dir}"
 [[datasets]]
 name = "B3_magicoder"
 path = "{data}"
-budget_tokens = {SEED_BUDGET}
-max_tokens = 8192
-
+budget_tokens = {budget}
+max_tokens = {max_tokens}
+{extra}
 [backends.sglang]
 urls = ["http://127.0.0.1:9"]
 
@@ -126,8 +132,8 @@ def test_measured_cloud_price_and_both_sides_at_once():
     measures = [BackendMeasure(backend="sglang", kind="gpu", window_tps=90.0, producing=True),
                 BackendMeasure(backend="openrouter", kind="cloud", window_tps=2000.0, producing=True,
                                provider_tokens=1_000_000, provider_cost_usd=2.5, configured_usd_per_mtok=9.0)]
-    p = plan_dataset("B3", responses=SEED_RESPONSES, completion_tokens=SEED_TOKENS, budget_tokens=SEED_BUDGET,
-                     prompts_left=None, measures=measures, assigned={"gpu", "cloud"}, workers_known=False)
+    p = plan_dataset("B3", responses=SEED_RESPONSES, completion_tokens=SEED_TOKENS,
+                     budget=budget_from_store(SEED_BUDGET, SEED_TOKENS, 0, SEED_RESPONSES, 8192), prompts_left=None, measures=measures, assigned={"gpu", "cloud"}, workers_known=False)
     gpu, cloud = p.sides
     assert (cloud.usd_per_mtok, cloud.price_source, cloud.cost_usd) == (2.5, "measured", 10.6452)
     assert cloud.time_s == round(SEED_LEFT / 2000) and gpu.time_s == round(SEED_LEFT / 90)
@@ -147,7 +153,8 @@ def test_a_small_runs_cost_is_not_rounded_to_zero():
     measures = [BackendMeasure(backend="openrouter", kind="cloud", window_tps=100.0, producing=True,
                                provider_tokens=8000, provider_cost_usd=0.02),
                 BackendMeasure(backend="cheap", kind="cloud", configured_usd_per_mtok=0.5)]
-    p = plan_dataset("tiny", responses=10, completion_tokens=8000, budget_tokens=10_000, prompts_left=None,
+    p = plan_dataset("tiny", responses=10, completion_tokens=8000, budget=budget_from_store(10_000, 8000, 0, 10, 1000),
+                     prompts_left=None,
                      measures=measures, assigned={"cloud"}, workers_known=False)
     sides = {s.backend: s for s in p.sides}
     assert sides["openrouter"].cost_usd == 0.005 and sides["cheap"].cost_usd == 0.001
@@ -278,3 +285,70 @@ def test_imported_records_are_no_backends_rate(tmp_path, redis_server):
     assert ledger.totals("B3")["sglang"]["completion_tokens"] == 20 * 3288
     assert ledger.rates("B3", ["sglang"], [60, 600]) == {"sglang": [0.0, 0.0]}
     assert "busy_ms" not in ledger.totals("B3")["sglang"]
+
+
+def test_paid_turns_are_spent_in_every_view_as_admission_counts_them(tmp_path, redis_server, tokenizer_dir):
+    """Issue 26, item 5: conversations handed back between turns have paid 900 tokens of a 1,000
+    budget (kept in ``_progress/``, marked in the ledger) and one record of 20 tokens is stored, made
+    by a live cloud worker a minute ago. A prompt reserves 128 (half of max_tokens): admission
+    refuses, so plan, status, metrics and report say 80 left, the dataset full, and no ETA (before:
+    980 left and an ETA). Once admission has refused, they say closed, 80 left."""
+    config = seed_config(tmp_path, tokenizer_dir, prompts=50, budget=1000, max_tokens=256, extra='turns = "all"')
+    cfg = load_config(config)
+    store = Store(cfg.fleet.store)
+    r = redis_server.client()
+    ledger, now = Ledger(r), time.time()
+    rec = record(f"{1:064x}", "B3_magicoder", 20, backend="openrouter", kind="cloud", created_at=now - 60, latency_s=2.0,
+                 cost_usd=0.00005, cost_source="provider")
+    assert store.put(rec) and ledger.count(rec, now=rec.created_at)
+    for c in range(3):  # three conversations, each with turns of 100 + 200 tokens paid and kept
+        key = f"{100 + c:064x}"
+        turns = [msgspec.convert({**msgspec.to_builtins(record(key, "B3_magicoder", n, backend="openrouter", kind="cloud",
+                                                               created_at=now - 30, latency_s=1.0)), "prompt_ids": [1]},
+                                 Turn) for n in (100, 200)]
+        store.put_progress(TurnProgress(key=key, dataset="B3_magicoder", turns=turns))
+        for i, t in enumerate(turns):
+            assert ledger.prepay("B3_magicoder", key, i, "openrouter", t.cost_usd, t.completion_tokens)
+    _report(r, "cloud-0", "cloud", "openrouter", ["B3_magicoder"])
+    r.rpush(rk.queue("B3_magicoder"), *([b"{}"] * 10))
+    env = {"REDIS_URL": redis_server.url}
+
+    def views() -> list[tuple[str, int, float | None, str]]:
+        """(view, budget left, ETA, state) as plan, status, metrics and report say them."""
+        cp = run_cli("plan", "--config", str(config), "--json", env=env)
+        assert cp.returncode == 0, cp.stderr
+        (plan,) = json.loads(cp.stdout)
+        got = [("plan", plan["budget"]["left_tokens"], plan["eta_s"], plan["state"])]
+        assert plan["budget"]["spent_tokens"] == 920 and plan["budget"]["paid_tokens"] == 900
+        cp = run_cli("status", "--config", str(config), "--json", env=env)
+        assert cp.returncode == 0, cp.stderr
+        snap = json.loads(cp.stdout)
+        (row,), (splan,) = snap["datasets"], snap["plans"]
+        got.append(("status", row["remaining_tokens"], row["eta_s"], splan["state"]))
+        assert row["budget"]["left_tokens"] == row["remaining_tokens"] and row["share_done"] == 0.92
+        registry = CollectorRegistry()
+        registry.register(FleetCollector(cfg, r))
+        samples = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
+                   for s in f.samples if s.labels.get("dataset") == "B3_magicoder"}
+        assert samples["draftfleet_budget_spent_tokens"] == 920 and samples["draftfleet_plan_remaining_tokens"] == 0
+        got.append(("metrics", samples["draftfleet_budget_left_tokens"], samples.get("draftfleet_eta_seconds"),
+                    "-"))
+        out = tmp_path / "run.html"
+        cp = run_cli("report", "--config", str(config), "--out", str(out), env=env)
+        assert cp.returncode == 0, cp.stderr
+        page = " ".join(re.sub(r"<[^>]+>", " ", out.read_text()).split())
+        assert "920 of a 1,000 budget spent (92.0%, 900 of them in paid turns of conversations not stored yet)" in page
+        left = int(re.search(r"budget spent \([^)]*\), ([\d,]+) left", page).group(1).replace(",", ""))
+        state = "full" if "B3_magicoder: full:" in page else "closed" if "B3_magicoder: closed at its budget" in page else "open"
+        got.append(("report", left, None if "ETA" not in page else page, state))
+        return got
+
+    before = views()
+    print("\n" + "\n".join(map(str, before)))
+    assert before == [("plan", 80, None, "full"), ("status", 80, None, "full"), ("metrics", 80, None, "-"),
+                      ("report", 80, None, "full")]
+    r.set(rk.claim("B3_magicoder", "ask"), "w", ex=60)
+    assert ledger.admit("B3_magicoder", "ask", "w", 1000, ledger.expected_tokens("B3_magicoder", 256), 256) == REFUSED
+    after = views()
+    assert after == [("plan", 80, None, "closed"), ("status", 80, None, "closed"), ("metrics", 80, None, "-"),
+                     ("report", 80, None, "closed")]

@@ -175,11 +175,11 @@ def test_report_draws_one_version_or_every_version_and_plans_only_the_current(tm
 
     page, counts = summary()
     assert counts == ("5", "4,500") and "version 2 of 2" in page and "plan: to finish" in page
-    assert "completion tokens of a 10,000,000 budget" in page
+    assert "6,600 of a 10,000,000 budget spent (0.1%), 9,993,400 left" in page  # every version's records
     page, counts = summary("--version", "1")
     assert counts == ("7", "2,100") and "version 1 of 2" in page
     assert f"max_tokens = {v1.max_tokens:,}" in page  # that version's own line, not the current one's
-    assert "plan: to finish" not in page and "completion tokens of a" not in page
+    assert "plan: to finish" not in page and "budget spent" not in page
     page, counts = summary("--all-versions")
     assert counts == ("12", "6,600") and "every version" in page
     cp = run_cli("report", "--config", str(config), "--out", str(out), "--version", "3")

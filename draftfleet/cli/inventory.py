@@ -53,6 +53,8 @@ def print_inventory(invs, store_alone: bool = False) -> None:
         elif inv.budget_tokens:
             line += (f"; budget {inv.budget_tokens:,}: {100 * (inv.share_done or 0):.1f}% done, "
                      f"{inv.remaining_tokens:,} remaining")
+        if inv.budget is not None and inv.budget.paid_tokens:
+            line += f" ({inv.budget.paid_tokens:,} spent in paid turns of conversations not stored yet)"
         if inv.prompts_left is not None:
             line += f"; {inv.prompts_left:,} prompts left"
         for name, cost in inv.cost_to_finish_usd.items():

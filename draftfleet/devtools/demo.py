@@ -166,7 +166,7 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
         say("   " + "   ".join(_progress(d) for d in snap.datasets))
         # 2. the plan
         reports = status.worker_reports(r)
-        plan = [plan_from_redis(cfg, r, d.dataset, budget_tokens=d.budget_tokens, prompts_left=d.queue_depth + d.held,
+        plan = [plan_from_redis(cfg, r, d.dataset, budget=d.budget, prompts_left=d.queue_depth + d.held,
                                 reports=reports) for d in snap.datasets]
         say("\n[bold]2. The plan[/] `draftfleet plan`: what is left, and the time and money to finish it on each side")
         say(render_plans(plan))

@@ -30,7 +30,8 @@ from draftfleet.schemas.records import IMPORTED_BY, GenerationSettings, Response
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.versions import Selection, select
-from draftfleet.views.plan import Activity, DatasetPlan, busy_seconds
+from draftfleet.ledger import BudgetUse
+from draftfleet.views.plan import Activity, DatasetPlan, budget_from_store, busy_seconds
 
 _decode = msgspec.json.Decoder(ResponseRecord).decode
 _msg_encoder = msgspec.json.Encoder()
@@ -101,8 +102,9 @@ class DatasetInventory(msgspec.Struct, kw_only=True):
     mean_tokens: float | None
     by_source: list[Split]
     budget_tokens: int | None
-    share_done: float | None
-    remaining_tokens: int | None
+    share_done: float | None  # of the budget, spent as admission counts it (``budget``)
+    remaining_tokens: int | None  # of the budget
+    budget: BudgetUse | None = None  # spent (every version's records, paid turns not stored yet) and left
     prompts_left: int | None = None  # prompts of the dataset file with no result (None: file not read)
     spend_usd: float
     cost_to_finish_usd: dict[str, float]
@@ -234,9 +236,12 @@ def inventory_dataset(
     processes: int | None = None,
     prompt_keys: set[str] | None = None,
     records: Selection | None = None,
+    max_tokens: int | None = None,
 ) -> DatasetInventory:
     """One dataset's inventory, of its current version's records unless ``records`` chooses
     (``versions.select``). Large stores are read by a process per core, split by file.
+    ``max_tokens``: the dataset's as the fleet runs it (default its manifest's), for what admission
+    reserves for a prompt.
 
     ``prompt_keys`` (the keys of the dataset file's prompts) bound the cost to finish by the
     prompts left; without them only the budget bounds it.
@@ -302,8 +307,12 @@ def inventory_dataset(
     tokens = sum(s.completion_tokens for s in by_source)
     prompt_tokens = sum(s.prompt_tokens for s in by_source)
     mean = tokens / responses if responses else None
-    spent = tokens + sum(part.other_tokens for part in parts)  # the budget's: every version's records
-    remaining = max(0, budget - spent) if budget else None
+    # the budget's, as admission counts it: every version's records, and the paid turns not stored yet
+    if max_tokens is None and (m := store.manifest(dataset)) is not None:
+        max_tokens = m.settings.max_tokens
+    use = budget_from_store(budget, tokens + sum(part.other_tokens for part in parts), store.paid_tokens(dataset),
+                            responses + sum(part.other_versions for part in parts), max_tokens)
+    remaining = use.left_tokens if use else None
     prompts_left = None
     if prompt_keys is not None:
         stored = {os.path.basename(p)[:-5] for p in paths}
@@ -323,7 +332,8 @@ def inventory_dataset(
         turns=sum(s.turns for s in by_source),
         completion_tokens=tokens, prompt_tokens=prompt_tokens,
         mean_tokens=round(mean, 1) if mean else None, by_source=by_source, budget_tokens=budget,
-        share_done=round(spent / budget, 4) if budget else None, remaining_tokens=remaining, prompts_left=prompts_left,
+        share_done=round(use.spent_tokens / budget, 4) if budget else None, remaining_tokens=remaining, budget=use,
+        prompts_left=prompts_left,
         spend_usd=round(sum(s.cost_usd for s in by_source), 4), cost_to_finish_usd=cost, validation=v,
         activity=[msgspec.structs.replace(a, busy_s=round(busy_seconds(intervals.get(a.backend, [])), 3),
                                           provider_cost_usd=round(a.provider_cost_usd, 6))
@@ -364,17 +374,17 @@ def run_inventory(
     for name in names:
         manifest = store.manifest(name)
         chosen = select(store, name, version, all_versions)
-        keys = None
+        keys, max_tokens = None, manifest.settings.max_tokens if manifest else None
         if cfg is not None and any(d.name == name for d in cfg.datasets):
             ds = cfg.dataset(name)
-            budget = ds.budget_tokens
+            budget, max_tokens = ds.budget_tokens, max_tokens or ds.max_tokens
             if chosen.version is None or manifest is None or chosen.version == manifest.version:
                 keys = dataset_keys(ds, manifest.settings if manifest else ds.settings(cfg.fleet.model))
         else:
             budget = manifest.budget_tokens if manifest else None
         inv = inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,
                                 roundtrip_sample=roundtrip_sample, processes=processes, prompt_keys=keys,
-                                records=chosen)
+                                records=chosen, max_tokens=max_tokens)
         out.append(msgspec.structs.replace(inv, hidden_states=_hidden_inventory(store, inv, verify)))
     return out
 

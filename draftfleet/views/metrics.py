@@ -1,9 +1,9 @@
 """The fleet's own Prometheus metrics, served by the reconciler (Flower's have no queue depth).
 
 A collector reads a status snapshot on every scrape, so the figures are as fresh as Redis:
-tokens, responses and cost per dataset and backend, queue depth, in flight, budget, retries and
-failures by reason, spend per cloud backend, worker counts by kind, each backend's tokens/s, and
-the plan (plan.py): tokens left, the time and money to finish on each side, the ETA, stalled.
+tokens, responses and cost per dataset and backend, queue depth, in flight, budget (and what it has
+spent and left, as admission counts them), retries and failures by reason, spend per cloud
+backend, worker counts by kind, each backend's tokens/s, and the plan (plan.py): tokens left, the time and money to finish on each side, the ETA, stalled.
 ``ops/grafana/draftfleet.json`` is a dashboard of these (every expression checked against a scrape
 by ``tests/test_metrics.py``).
 """
@@ -32,6 +32,11 @@ class FleetCollector:
         depth = GaugeMetricFamily("draftfleet_queue_depth", "Tasks waiting in the dataset's queue", labels=["dataset"])
         inflight = GaugeMetricFamily("draftfleet_inflight", "Tasks being generated now", labels=["dataset"])
         budget = GaugeMetricFamily("draftfleet_budget_tokens", "Token budget of the dataset", labels=["dataset"])
+        spent = GaugeMetricFamily("draftfleet_budget_spent_tokens", "Tokens the budget has spent, as admission counts "
+                                  "them: stored records and paid turns of conversations not stored yet",
+                                  labels=["dataset"])
+        left = GaugeMetricFamily("draftfleet_budget_left_tokens", "Tokens left in the budget (admission refuses "
+                                 "a prompt once less than it reserves is left)", labels=["dataset"])
         events = CounterMetricFamily("draftfleet_events", "Retries, failures and skips by reason", labels=["dataset", "event"])
         spend = GaugeMetricFamily("draftfleet_spend_usd", "Spend of a cloud backend (USD)", labels=["backend"])
         cap = GaugeMetricFamily("draftfleet_spend_cap_usd", "max_spend_usd of a cloud backend", labels=["backend"])
@@ -72,6 +77,9 @@ class FleetCollector:
             inflight.add_metric([d.dataset], d.inflight)
             if d.budget_tokens:
                 budget.add_metric([d.dataset], d.budget_tokens)
+            if d.budget is not None:
+                spent.add_metric([d.dataset], d.budget.spent_tokens)
+                left.add_metric([d.dataset], d.budget.left_tokens)
             for name, n in sorted(ledger.events(d.dataset).items()):
                 events.add_metric([d.dataset, name], n)
         for s in snap.spend:
@@ -84,5 +92,5 @@ class FleetCollector:
             counts[key] = counts.get(key, 0) + 1
         for (kind, state), n in sorted(counts.items()):
             workers.add_metric([kind, state], n)
-        yield from (tokens, responses, cost, depth, inflight, budget, events, spend, cap, workers, tps, remaining,
+        yield from (tokens, responses, cost, depth, inflight, budget, spent, left, events, spend, cap, workers, tps, remaining,
                     finish_s, finish_usd, eta, stalled)

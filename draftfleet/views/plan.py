@@ -10,7 +10,9 @@ running:
 - a cloud's price per million completion tokens: measured from the provider's own reported
   cost (prompt tokens included), else the configured prices ("configured");
 - the tokens left: the rest of the budget, or the prompts left at the mean length, whichever
-  runs out first.
+  runs out first. The budget's rest is admission's (``ledger.budget_use``): the stored records of
+  every version and the paid turns of conversations not stored yet are spent; with less left than
+  admission reserves for one more prompt the dataset is ``full`` (admission refuses: no ETA).
 
 The ETA counts only the kinds assigned to the dataset that have a live worker on it (reporting,
 neither paused nor waiting for its server); with none the dataset is ``stalled`` and has no ETA.
@@ -35,7 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from draftfleet.assign import kinds_for
-from draftfleet.ledger import Ledger
+from draftfleet.ledger import BudgetUse, Ledger, budget_use, expected_tokens
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import WorkerReport
 
@@ -77,7 +79,7 @@ class StoreFigures(msgspec.Struct, kw_only=True):
     responses: int
     completion_tokens: int
     prompt_tokens: int
-    budget_tokens: int | None
+    budget: BudgetUse | None  # None: no budget
     prompts_left: int | None
     activity: list[Activity]
 
@@ -113,10 +115,11 @@ class Side(msgspec.Struct, kw_only=True):
 
 class DatasetPlan(msgspec.Struct, kw_only=True):
     dataset: str
-    state: str  # open, closed (budget reached), done (no prompt left)
+    state: str  # open, full (no room for one more prompt), closed (admission closed it), done (no prompt left)
     responses: int
     completion_tokens: int
     budget_tokens: int | None
+    budget: BudgetUse | None  # what admission counts as spent and left (None: no budget)
     mean_tokens: float | None
     prompts_left: int | None  # None: not known here
     remaining_tokens: int | None  # to generate: the budget's rest or the prompts left, whichever is first
@@ -156,17 +159,18 @@ def _finish(remaining: int | None, tps: float | None, usd: float | None) -> tupl
     return time_s, cost
 
 
-def plan_dataset(dataset: str, *, responses: int, completion_tokens: int, budget_tokens: int | None,
+def plan_dataset(dataset: str, *, responses: int, completion_tokens: int, budget: BudgetUse | None,
                  prompts_left: int | None, measures: list[BackendMeasure], assigned: set[str],
                  closed: bool = False, workers_known: bool = True) -> DatasetPlan:
     """The plan of one dataset from its figures (no I/O): see the module's docstring."""
     mean = completion_tokens / responses if responses else None
     done = prompts_left == 0 and responses > 0
-    bounds = [b for b in (max(0, budget_tokens - completion_tokens) if budget_tokens else None,
+    full = budget is not None and budget.full
+    bounds = [b for b in (budget.left_tokens if budget is not None else None,
                           round(prompts_left * mean) if prompts_left is not None and mean else None) if b is not None]
     if prompts_left == 0:
         bounds.append(0)
-    remaining = 0 if closed else (min(bounds) if bounds else None)
+    remaining = 0 if closed or (full and not done) else (min(bounds) if bounds else None)
     sides = []
     for m in sorted(measures, key=lambda m: (m.kind != "gpu", m.backend)):
         tps, rate_source = _rate(m)
@@ -188,7 +192,7 @@ def plan_dataset(dataset: str, *, responses: int, completion_tokens: int, budget
                        price_source="measured" if all(s.price_source in ("measured", "local") for s in measured)
                        else "configured", time_s=time_s, cost_usd=cost, assigned=True,
                        live_workers=sum(s.live_workers for s in measured))
-    state = "closed" if closed else "done" if done else "open"
+    state = "closed" if closed else "done" if done else "full" if full else "open"
     eta, stalled = None, None
     if state == "open" and workers_known and remaining:
         live = [s for s in sides if s.assigned and s.live_workers > 0]
@@ -198,7 +202,7 @@ def plan_dataset(dataset: str, *, responses: int, completion_tokens: int, budget
             tps = sum(s.tokens_per_s or 0 for s in live)
             eta = round(remaining / tps) if tps else None
     return DatasetPlan(dataset=dataset, state=state, responses=responses, completion_tokens=completion_tokens,
-                       budget_tokens=budget_tokens, mean_tokens=round(mean, 1) if mean else None,
+                       budget_tokens=budget.budget_tokens if budget else None, budget=budget, mean_tokens=round(mean, 1) if mean else None,
                        prompts_left=prompts_left, remaining_tokens=remaining, sides=sides, at_once=at_once,
                        assigned=sorted(assigned), workers_known=workers_known, eta_s=eta, stalled=stalled)
 
@@ -233,11 +237,12 @@ def _backends(cfg: FleetConfig | None, reports: list[WorkerReport], produced: di
     return kinds
 
 
-def plan_from_redis(cfg: FleetConfig, r: redis.Redis, dataset: str, *, budget_tokens: int | None, prompts_left: int,
+def plan_from_redis(cfg: FleetConfig, r: redis.Redis, dataset: str, *, budget: BudgetUse | None, prompts_left: int,
                     reports: list[WorkerReport], totals: dict[str, dict[str, int]] | None = None,
                     closed: bool | None = None, now: float | None = None) -> DatasetPlan:
     """The plan from Redis alone (quick): the ledger's counters, rates and busy time, the worker
-    reports and the assignment. ``prompts_left``: the queued and held tasks."""
+    reports and the assignment. ``prompts_left``: the queued and held tasks; ``budget``: the
+    ledger's ``budget_use`` (None: no budget)."""
     now = time.time() if now is None else now
     ledger = Ledger(r)
     totals = ledger.totals(dataset) if totals is None else totals
@@ -257,16 +262,24 @@ def plan_from_redis(cfg: FleetConfig, r: redis.Redis, dataset: str, *, budget_to
             configured_usd_per_mtok=_configured_price(cfg, name, prompt / done if done else 0.0),
             live_workers=sum(1 for w in reports if w.backend == name and is_live_on(w, dataset))))
     return plan_dataset(dataset, responses=sum(t.get("responses", 0) for t in totals.values()), completion_tokens=done,
-                        budget_tokens=budget_tokens, prompts_left=prompts_left, measures=measures,
+                        budget=budget, prompts_left=prompts_left, measures=measures,
                         assigned=kinds_for(r, dataset),
                         closed=ledger.closed_at(dataset) is not None if closed is None else closed)
+
+
+def budget_from_store(budget: int | None, stored: int, paid: int, responses: int, max_tokens: int | None) -> BudgetUse | None:
+    """A budget's use from a store's figures (``stored``: every version's record tokens, ``paid``:
+    ``Store.paid_tokens``), as the ledger counts it; None without a budget."""
+    if budget is None:
+        return None
+    return budget_use(budget, stored, paid, expected_tokens(responses, stored, max_tokens or 1))
 
 
 def plan_from_inventory(cfg: FleetConfig | None, inv: DatasetInventory, r: redis.Redis | None) -> DatasetPlan:
     """The plan from an inventory: see :func:`plan_from_store`."""
     return plan_from_store(cfg, StoreFigures(
         dataset=inv.dataset, responses=inv.responses, completion_tokens=inv.completion_tokens,
-        prompt_tokens=inv.prompt_tokens, budget_tokens=inv.budget_tokens, prompts_left=inv.prompts_left,
+        prompt_tokens=inv.prompt_tokens, budget=inv.budget, prompts_left=inv.prompts_left,
         activity=inv.activity), r)
 
 
@@ -293,7 +306,7 @@ def plan_from_store(cfg: FleetConfig | None, f: StoreFigures, r: redis.Redis | N
             live_workers=sum(1 for w in reports if w.backend == name and is_live_on(w, f.dataset))))
     closed = Ledger(r).closed_at(f.dataset) is not None if r is not None else False
     return plan_dataset(f.dataset, responses=f.responses, completion_tokens=f.completion_tokens,
-                        budget_tokens=f.budget_tokens, prompts_left=f.prompts_left, measures=measures,
+                        budget=f.budget, prompts_left=f.prompts_left, measures=measures,
                         assigned=kinds_for(r, f.dataset) if r is not None else {"gpu", "cloud"},
                         closed=closed, workers_known=r is not None)
 
@@ -325,15 +338,27 @@ def usd(x: float) -> str:
     return f"{x:,.2f}" if abs(x) >= 1 or x == 0 else f"{x:.4f}"
 
 
+def spent(b: BudgetUse) -> str:
+    """``920 of a 1,000 budget spent (900 in paid turns not stored yet), 80 left``."""
+    paid = f" ({tokens(b.paid_tokens)} in paid turns not stored yet)" if b.paid_tokens else ""
+    return f"{tokens(b.spent_tokens)} of a {tokens(b.budget_tokens)} budget spent{paid}, {tokens(b.left_tokens)} left"
+
+
 def headline(p: DatasetPlan) -> str:
     """One line: what is left and why (the ETA, or why there is none)."""
+    b = p.budget
     if p.state == "closed":
-        return f"{p.dataset}: closed at its budget ({tokens(p.completion_tokens)} tokens)"
+        return f"{p.dataset}: closed at its budget ({spent(b) if b else tokens(p.completion_tokens) + ' tokens'})"
+    if p.state == "full":
+        return (f"{p.dataset}: full: {spent(b)}, less than the {tokens(b.expected_tokens)} a prompt reserves; "
+                "admission refuses more (raise budget_tokens and enqueue to go on)")
     if p.state == "done":
         return f"{p.dataset}: done, no prompt left ({tokens(p.completion_tokens)} tokens)"
     left = f"{tokens(p.remaining_tokens)} tokens left" if p.remaining_tokens is not None else "tokens left: not known"
-    if p.budget_tokens:
-        left += f" of a {tokens(p.budget_tokens)} budget"
+    if b is not None:
+        left += f" of a {tokens(b.budget_tokens)} budget"
+        if b.paid_tokens:
+            left += f" ({tokens(b.paid_tokens)} of it spent in paid turns not stored yet)"
     if p.prompts_left is not None:
         left += f", {p.prompts_left:,} prompts left"
     if p.stalled:

@@ -25,10 +25,12 @@ from pathlib import Path
 
 import msgspec
 
+from draftfleet.ledger import BudgetUse
 from draftfleet.schemas.records import IMPORTED_BY
 from draftfleet.store import Store
 from draftfleet.versions import Selection, select
-from draftfleet.views.plan import Activity, DatasetPlan, StoreFigures, busy_seconds, duration, headline, tokens, usd
+from draftfleet.views.plan import (Activity, DatasetPlan, StoreFigures, budget_from_store, busy_seconds, duration,
+                                   headline, tokens, usd)
 
 PARALLEL_FROM = 5000  # record files; below this a process pool costs more than it saves
 MAX_POINTS = 400  # points per time series drawn (binned): the SVG stays small whatever the store holds
@@ -66,6 +68,8 @@ class Columns(msgspec.Struct):
     imported: list[bool]
     keys: list[str]
     unreadable: int = 0
+    other_responses: int = 0  # records of the dataset's other versions (the budget counts them too)
+    other_tokens: int = 0
     units: int = 0  # record turns (a conversation has one per regenerated turn): what capture captures
     prompt_tokens: int = 0
     activity: dict[str, Activity] = {}
@@ -82,7 +86,9 @@ def _read(paths: list[str], settings_id: str | None) -> Columns:
             c.unreadable += 1
             continue
         if settings_id is not None and r.settings_id != settings_id:
-            continue  # another version's record
+            c.other_responses += 1  # another version's record: only the budget counts it
+            c.other_tokens += r.completion_tokens
+            continue
         c.backend.append(r.backend)
         c.kind.append(r.backend_kind)
         c.tokens.append(r.completion_tokens)
@@ -120,6 +126,8 @@ def read_columns(store: Store, dataset: str, processes: int | None = None, selec
         for f in ("backend", "kind", "tokens", "truncated", "cost", "at", "imported", "keys"):
             getattr(out, f).extend(getattr(p, f))
         out.unreadable += p.unreadable
+        out.other_responses += p.other_responses
+        out.other_tokens += p.other_tokens
         out.prompt_tokens += p.prompt_tokens
         out.units += p.units
         for name, act in p.activity.items():
@@ -132,12 +140,12 @@ def read_columns(store: Store, dataset: str, processes: int | None = None, selec
     return out
 
 
-def store_figures(c: Columns, dataset: str, budget: int | None, prompt_keys: set[str] | None) -> StoreFigures:
+def store_figures(c: Columns, dataset: str, budget: BudgetUse | None, prompt_keys: set[str] | None) -> StoreFigures:
     """What the plan needs, from the same read (the report reads the store once)."""
     activity = [msgspec.structs.replace(a, busy_s=busy_seconds(c.intervals.get(a.backend, [])))
                 for a in sorted(c.activity.values(), key=lambda a: a.backend)]
     return StoreFigures(dataset=dataset, responses=len(c.tokens), completion_tokens=sum(c.tokens),
-                        prompt_tokens=c.prompt_tokens, budget_tokens=budget,
+                        prompt_tokens=c.prompt_tokens, budget=budget,
                         prompts_left=len(prompt_keys - set(c.keys)) if prompt_keys is not None else None,
                         activity=activity)
 
@@ -405,14 +413,18 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
     ``plan`` makes its plan from the figures read here."""
     selection = selection or select(store, dataset)
     c = read_columns(store, dataset, selection=selection)
-    p = plan(store_figures(c, dataset, budget, prompt_keys)) if plan is not None else None
+    total = sum(c.tokens)
+    use = budget_from_store(budget, total + c.other_tokens, store.paid_tokens(dataset) if budget is not None else 0,
+                            len(c.tokens) + c.other_responses, max_tokens)
+    p = plan(store_figures(c, dataset, use, prompt_keys)) if plan is not None else None
     events = store.events(dataset)
     t0 = min([*c.at, *(e.at for e in events)], default=time.time())
     axis = TimeAxis(t0, max([*c.at, *(e.at for e in events)], default=t0))  # tokens' and spend's, alike
-    total = sum(c.tokens)
     cut = sum(c.truncated)
     summary = (f"{len(c.tokens):,} responses, {total:,} completion tokens"
-               + (f" of a {budget:,} budget ({100 * total / budget:.1f}%)" if budget else "")
+               + (f"; {use.spent_tokens:,} of a {budget:,} budget spent ({100 * use.spent_tokens / budget:.1f}%"
+                  + (f", {use.paid_tokens:,} of them in paid turns of conversations not stored yet" if use.paid_tokens
+                     else "") + f"), {use.left_tokens:,} left" if use and budget else "")
                + f"; {cut:,} cut at max_tokens ({100 * cut / len(c.tokens) if c.tokens else 0:.1f}%)"
                + (f"; {c.unreadable:,} record files unreadable" if c.unreadable else ""))
     manifest = store.manifest(dataset)

@@ -20,8 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from draftfleet import redis_keys as rk
-from draftfleet.assign import kinds_for, live_budgets
-from draftfleet.ledger import Ledger
+from draftfleet.assign import kinds_for, live_budgets, published
+from draftfleet.ledger import BudgetUse, Ledger
 from draftfleet.queues import depth, held
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import WorkerReport
@@ -61,8 +61,8 @@ class DatasetRow(msgspec.Struct, kw_only=True):
     responses: int
     completion_tokens: int
     budget_tokens: int | None
-    share_done: float | None
-    remaining_tokens: int | None
+    share_done: float | None  # of the budget, spent as admission counts it (``budget``)
+    remaining_tokens: int | None  # of the budget
     closed: bool
     finished: bool  # nothing queued or held: every enqueued prompt has an outcome
     tps_1m: float
@@ -72,6 +72,7 @@ class DatasetRow(msgspec.Struct, kw_only=True):
     backends: list[BackendRow]
     retries: int
     failures: int
+    budget: BudgetUse | None = None  # spent (counted records, paid turns not stored yet), left, full
 
 
 class SpendRow(msgspec.Struct, kw_only=True):
@@ -128,6 +129,7 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
     ]
     rows, plans = [], []
     all_totals = ledger.all_totals()
+    settings = published(r)
     holding = held(r)
     for dataset, budget in chosen:
         inflight = sum(w.inflight.get(dataset, 0) for w in reports)
@@ -143,18 +145,19 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
         done = sum(b.completion_tokens for b in backends)
         responses = sum(b.responses for b in backends)
         tps_10m = sum(b.tps_10m for b in backends)
-        remaining = max(0, budget - done) if budget else None
+        use = None if budget is None else ledger.budget_use(dataset, budget, _max_tokens(cfg, settings, dataset))
         queued, holds = depth(r, dataset), holding.get(dataset, 0)
         closed = ledger.closed_at(dataset) is not None
         events = ledger.events(dataset)
-        plan = plan_from_redis(cfg, r, dataset, budget_tokens=budget, prompts_left=queued + holds, reports=reports,
+        plan = plan_from_redis(cfg, r, dataset, budget=use, prompts_left=queued + holds, reports=reports,
                                totals=totals, closed=closed, now=now)
         plans.append(plan)
         rows.append(DatasetRow(
             dataset=dataset, assigned=sorted(kinds_for(r, dataset)), queue_depth=queued, held=holds,
             inflight=inflight, responses=responses, completion_tokens=done,
-            budget_tokens=budget, share_done=round(done / budget, 4) if budget else None, remaining_tokens=remaining,
-            closed=closed, finished=not closed and responses > 0 and queued + holds == 0,
+            budget_tokens=budget, share_done=round(use.spent_tokens / budget, 4) if use and budget else None,
+            remaining_tokens=use.left_tokens if use else None, budget=use, closed=closed,
+            finished=not closed and responses > 0 and queued + holds == 0,
             tps_1m=round(sum(b.tps_1m for b in backends), 1), tps_10m=round(tps_10m, 1),
             eta_s=plan.eta_s, stalled=plan.stalled, backends=backends, retries=sum(v for k, v in events.items() if k.startswith("retry:")),
             failures=sum(v for k, v in events.items() if k.startswith("failed:")),
@@ -164,6 +167,13 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
     return Snapshot(at=now, workers=workers, datasets=rows, spend=spend,
                     capture=capture_rows(r, [n for n, _ in chosen], {d.dataset: d.remaining_tokens for d in rows}),
                     plans=plans)
+
+
+def _max_tokens(cfg: FleetConfig, live: dict, dataset: str) -> int:
+    """The dataset's max_tokens as the fleet runs it (its published settings, else the config's)."""
+    if dataset in live:
+        return live[dataset].settings.max_tokens
+    return next((d.max_tokens for d in cfg.datasets if d.name == dataset), 1)
 
 
 def capture_rows(r: redis.Redis, datasets: list[str], budget_left: dict[str, int | None]) -> list[CaptureRow]:
@@ -188,6 +198,8 @@ def capture_rows(r: redis.Redis, datasets: list[str], budget_left: dict[str, int
 def _eta(d: DatasetRow) -> str:
     if d.closed:
         return "closed"
+    if d.budget is not None and d.budget.full and not d.finished:
+        return "full"
     if d.finished:
         return "done"
     if d.stalled:
