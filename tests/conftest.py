@@ -206,6 +206,13 @@ class Workers:
                 proc.kill()
                 proc.wait()
 
+    def assert_alive(self, *procs: subprocess.Popen) -> None:
+        """Fail naming each worker that exited, with its exit status and its whole log (a worker that
+        died once in a long run is understood from its log, not from a rerun)."""
+        dead = [p for p in procs if p.poll() is not None]
+        assert not dead, "\n\n".join(f"worker {' '.join(p.args[3:])} exited with {p.returncode}; its log:\n"
+                                       + Path(p.log_path).read_text(errors="replace") for p in dead)
+
     def logs(self, tail: int | None = 4000) -> str:
         texts = (Path(p.log_path).read_text(errors="replace") for p in self.procs)
         return "\n".join(t[-tail:] if tail else t for t in texts)

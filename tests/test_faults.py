@@ -147,7 +147,7 @@ def test_worker_killed_mid_flight_loses_nothing(kind, tmp_path, redis_server, to
 
     survivor = _start(workers, config, kind, "survivor", redis_server.url, emu.url)
     wait_until(lambda: len(store.keys("ds")) == 60, 60, 0.2, f"60 results\n{workers.logs()}")
-    assert survivor.poll() is None
+    workers.assert_alive(survivor)
     assert_exactly_once(store, r, "ds", 60)
     # the killed requests were generated again, and the survivor said it gave them back
     generated = emu.stats()["by_endpoint"].get("/generate" if kind == "gpu" else "/v1/chat/completions")
@@ -171,14 +171,18 @@ def test_redis_restarted_empty_then_enqueue_restores_exactly_the_missing(tmp_pat
     _enqueue(config, redis_server.url)
     wait_until(lambda: len(store.keys("ds")) >= 12 and emu.stats()["open"] >= 8, 60, 0.05, workers.logs())
 
+    # The requests open now stay open until the enqueue below has counted them as in flight: on a loaded
+    # machine its start alone can outlast a 3 s answer (CI saw in_flight == 0 once).
+    emu.update(single_stream_tps=0.5)
     redis_server.restart(keep_data=False)  # SIGKILL, append-only files removed: queues, claims, counters gone
     r = redis_server.client()
     assert not r.exists(rk.queue("ds"))
     # the heartbeats put back the claims of the requests still open (nothing else could make one:
     # no task is queued yet)
-    wait_until(lambda: len(list(r.scan_iter(rk.claim("ds", "*")))) >= 8, 5, 0.05,
+    wait_until(lambda: len(list(r.scan_iter(rk.claim("ds", "*")))) >= 8, 15, 0.05,
                f"the lost claims re-created\n{workers.logs()}")
     summary = _enqueue(config, redis_server.url)[0]
+    emu.update(single_stream_tps=30)
     # queued: every key not stored, not already back in the queue (a message a worker popped as
     # Redis died is given back by that worker, as soon as it reconnects) and not held by a worker
     assert summary["queued"] + summary["already_done"] + summary["already_queued"] + summary["in_flight"] == 60
@@ -187,7 +191,7 @@ def test_redis_restarted_empty_then_enqueue_restores_exactly_the_missing(tmp_pat
     wait_until(lambda: store.keys("ds") | queued_keys(r, "ds") == every, 20, 0.05, "every key stored or queued")
 
     wait_until(lambda: len(store.keys("ds")) == 60, 60, 0.2, f"60 results\n{workers.logs()}")
-    assert gpu.poll() is None and cloud.poll() is None
+    workers.assert_alive(gpu, cloud)
     logs = workers.logs(tail=None)
     assert logs.count("Connected to") >= 4  # each worker connected again on its own
     # the open requests were not sent again (in flight): nothing was generated twice
@@ -201,6 +205,34 @@ def test_redis_restarted_empty_then_enqueue_restores_exactly_the_missing(tmp_pat
     assert res.returncode == 0, res.stderr
     records = assert_exactly_once(store, r, "ds", 60)
     assert {rec.backend for rec in records} == {"sglang", "cloudy"}
+
+
+def test_a_redis_error_reply_to_the_consumer_does_not_end_the_worker(tmp_path, redis_server, tokenizer_dir,
+                                                                     emulator_factory, workers):
+    # A Redis that answers the waiting BRPOP with an error (CLIENT UNBLOCK ... ERROR here; a failover's
+    # "UNBLOCKED ... master -> replica", a restart's error replies in the field) raised a ResponseError,
+    # which Celery counts as a channel error, not a connection error: "Unrecoverable error", and the
+    # worker exited (status 0, so a supervisor would not even restart it). It reconnects instead.
+    emu = emulator_factory(single_stream_tps=3000, ceiling_tps=100000, length="fixed:20", ttft_s=0.0,
+                           api_key=KEY_ENV["DRAFTFLEET_TEST_KEY"])
+    config, store = _setup(tmp_path, tokenizer_dir, emu.url, 20, inflight=8, concurrency=8)
+    r = redis_server.client()
+    gpu = _start(workers, config, "gpu", "gpu", redis_server.url, emu.url)
+    wait_until(lambda: _workers_up(r, 1), 60, 0.1, workers.logs())
+
+    def unblock() -> bool:  # the idle consumer waits in BRPOP; answer it with an error
+        return any(r.execute_command("CLIENT", "UNBLOCK", c["id"], "ERROR") for c in r.client_list()
+                   if c["cmd"] in ("brpop", "blpop"))
+
+    wait_until(unblock, 30, 0.02, lambda: f"the consumer waiting in BRPOP\n{workers.logs()}")
+    wait_until(lambda: "ResponseError" in workers.logs(tail=None), 10, 0.1, workers.logs)
+    time.sleep(1.0)  # an exit takes a moment
+    workers.assert_alive(gpu)
+    _enqueue(config, redis_server.url)
+    wait_until(lambda: len(store.keys("ds")) == 20, 60, 0.2, lambda: f"20 results\n{workers.logs()}")
+    workers.assert_alive(gpu)
+    assert_exactly_once(store, r, "ds", 20)
+    assert "Unrecoverable error" not in workers.logs(tail=None)
 
 
 def test_redis_restarted_with_its_data_the_run_goes_on(tmp_path, tokenizer_dir, emulator_factory, workers):
@@ -221,7 +253,7 @@ def test_redis_restarted_with_its_data_the_run_goes_on(tmp_path, tokenizer_dir, 
         server.start()
         # no enqueue: the queue, the unacked messages and the counters come back from disk
         wait_until(lambda: len(store.keys("ds")) == 60, 60, 0.2, f"60 results\n{workers.logs()}")
-        assert gpu.poll() is None and cloud.poll() is None
+        workers.assert_alive(gpu, cloud)
         r = server.client()
         wait_until(lambda: not queued_keys(r, "ds"), 30, 0.2, "the queue and unacked to empty")
         # count-once, before any reconcile: a count lost in the last second is missing (the
@@ -337,7 +369,7 @@ def test_sglang_server_dies_mid_batch_and_comes_back(tmp_path, redis_server, tok
         # the worker probes /health every second: it resumes within seconds, not after its 30 s pause
         wait_until(lambda: _report(r, "gpu@").get("paused") is None, 10, 0.1, f"a resume\n{workers.logs()}")
         wait_until(lambda: len(store.keys("ds")) == 40, 60, 0.2, f"40 results\n{workers.logs()}")
-        assert gpu.poll() is None
+        workers.assert_alive(gpu)
         assert_exactly_once(store, r, "ds", 40)
         logs = workers.logs(tail=None)
         assert "STOPPED CONSUMING draftfleet.ds: server_down" in logs and "resuming after a pause" in logs
@@ -452,7 +484,7 @@ def test_poison_messages_are_dead_lettered_and_the_worker_goes_on(tmp_path, redi
 
     wait_until(lambda: len(store.keys("ds")) == 5, 60, 0.2, f"5 results\n{workers.logs()}")
     wait_until(lambda: r.llen(rk.DEAD_LETTER) == 10, 30, 0.2, f"10 dead letters\n{workers.logs()}")
-    assert worker.poll() is None
+    workers.assert_alive(worker)
     entries = [json.loads(x) for x in r.lrange(rk.DEAD_LETTER, 0, -1)]
     reasons = [e["reason"] for e in entries]
     expected = [
@@ -547,6 +579,6 @@ def test_task_whose_claim_lapsed_is_run_twice_but_stored_and_counted_once(tmp_pa
     assert len(holders) == 4 and all(h.startswith(b"second@") for h in holders), holders
     wait_until(lambda: len(store.keys("ds")) == 4, 60, 0.2, workers.logs())
     time.sleep(14)  # both copies of every key have finished
-    assert first.poll() is None
+    workers.assert_alive(first)
     assert_exactly_once(store, r, "ds", 4, timeout=60)
     assert emu.stats()["completed"] == 8

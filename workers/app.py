@@ -25,6 +25,11 @@ def make_app(broker_url: str, visibility_timeout_s: int) -> Celery:
         broker_transport_options=transport,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
+        # An error reply from Redis to the consumer (a failover's "UNBLOCKED ... master -> replica", a
+        # server restarting or out of memory) is a channel error to Celery, not a connection error: by
+        # default "Unrecoverable error", and the worker stopped consuming for good (celery#7946).
+        # Reconnect instead, as for a lost connection.
+        broker_channel_error_retry=True,
         task_serializer="json",
         result_serializer="json",
         event_serializer="json",
