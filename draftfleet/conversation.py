@@ -68,12 +68,10 @@ def _total(values: list[float | None]) -> float | None:
     return sum(known) if known else None
 
 
-def conversation_record(task: PromptTask, turns: list[Turn], worker: str,
-                        finish_reason: str | None = None) -> ResponseRecord:
+def conversation_record(task: PromptTask, turns: list[Turn], worker: str) -> ResponseRecord:
     """The stored record of a conversation: every turn, the last one's answer on top, counts, cost,
     usage and attempts summed over the turns (so totals count them all). Its ``backend`` is the one
-    that finished it; each turn keeps its own. Exact only if every turn is. ``finish_reason`` says
-    why a conversation ended before its last turn (``budget``); by default the last turn's."""
+    that finished it; each turn keeps its own. Exact only if every turn is."""
     last = turns[-1]
     usages = [t.usage for t in turns]
     usage = Usage(
@@ -87,7 +85,7 @@ def conversation_record(task: PromptTask, turns: list[Turn], worker: str,
         key=task.key, dataset=task.dataset, source=task.source, settings_id=task.settings_id, messages=task.messages,
         system_prompt_used=any(m.role == "system" for m in task.messages), text=last.text, reasoning=last.reasoning,
         output_ids=last.output_ids, prompt_tokens=sum(t.prompt_tokens for t in turns),
-        completion_tokens=sum(t.completion_tokens for t in turns), finish_reason=finish_reason or last.finish_reason,
+        completion_tokens=sum(t.completion_tokens for t in turns), finish_reason=last.finish_reason,
         truncated=last.truncated, backend=last.backend, backend_kind=last.backend_kind, model=last.model,
         token_source="exact" if all(t.token_source == "exact" for t in turns) else "retokenized", usage=usage,
         cost_usd=sum(t.cost_usd for t in turns),

@@ -300,8 +300,9 @@ return done(1)
 """.replace("@BUDGET_FIELDS@", ", ".join(f"'{f}'" for f in BUDGET_FIELDS))
 
 # Empty a closed dataset's queue, unless an enqueue reopened it meanwhile (its new tasks stay),
-# but for the conversations with paid turns (in paid_keys): each must come once more, to end as a
-# record of its paid turns. Only then are the messages read (their kombu envelope's headers.id).
+# but for the conversations with paid turns (in paid_keys): each comes once more, to be stopped
+# by the budget (event ``stopped:budget``; its turns stay kept, to go on once the budget is raised).
+# Only then are the messages read (their kombu envelope's headers.id).
 _PURGE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local n = redis.call('LLEN', KEYS[2])
@@ -501,7 +502,7 @@ class Ledger:
 
     def purge_closed(self, dataset: str) -> int | None:
         """Drop the queued tasks of a closed dataset, but for conversations with paid turns (each
-        comes once more, to end as a record of them): how many; None if it is open again."""
+        comes once more, to be stopped with its turns kept): how many; None if it is open again."""
         n = int(self._purge(keys=[rk.closed(dataset), rk.queue(dataset), rk.paid_keys(dataset)]))
         return None if n < 0 else n
 

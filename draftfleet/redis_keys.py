@@ -113,7 +113,8 @@ def prepaid(dataset: str, key: str) -> str:
 
 def paid_keys(dataset: str) -> str:
     """Set of the keys that have a ``prepaid`` hash: conversations with paid turns and no counted
-    record yet. A closed dataset's purge keeps their tasks, so that each ends as a record."""
+    record yet. A closed dataset's purge keeps their tasks, so that each is stopped once (its turns
+    kept for a raised budget)."""
     return f"{PREFIX}paid_keys:{dataset}"
 
 

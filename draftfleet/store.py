@@ -8,7 +8,8 @@ Layout under the root::
     _unreadable/<dataset>/<key>.<ns>.json   record files that could not be read, set aside
     _quarantine/<dataset>.jsonl        input lines that were rejected, verbatim
     _log/<dataset>.jsonl               pivots, drains and budget changes, for the report
-    _progress/<dataset>/<key>.json     completed turns of a conversation still being generated
+    _progress/<dataset>/<key>.json     completed turns of a conversation still being generated, or
+                                       stopped by the budget (no result yet: it goes on when raised)
     _hidden/<dataset>/v<N>/...         captured hidden states, one file per record turn (hidden.py)
     .draftfleet-store                  marker: this folder is a fleet store (see ``Store.prepare``)
 

@@ -508,12 +508,15 @@ def execute(task_self, payload: object) -> str:
         if not _admit(rt, task, token, turns - len(done), turns):
             if not done:
                 return "skipped"
-            # the budget stops a conversation some turns of which are paid: it ends as a record of them
-            record = conversation_record(task, done, rt.hostname, finish_reason="budget")
+            # The budget stops a conversation some turns of which are paid. It has no result yet: its
+            # turns stay kept (and spent from the budget), and once the budget is raised, enqueue
+            # queues it again (it has no record) and it goes on at its next turn. Stored as it is,
+            # it could never be finished: a key's result is written once.
             rt.ledger.event(task.dataset, "stopped:budget")
-            log.warning("%s %s: the budget stops the conversation after %d of %d turns: stored as it is",
-                        task.dataset, task.source, len(done), turns)
-        elif task.settings.turns == "all":
+            log.warning("%s %s: the budget stops the conversation after %d of %d turns: its turns are kept, to go "
+                        "on when the budget is raised", task.dataset, task.source, len(done), turns)
+            return "stopped"
+        if task.settings.turns == "all":
             record = _conversation(rt, task, done, held_since)
             if record is None:
                 return "failed"
