@@ -188,10 +188,12 @@ class Workers:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, config: Path, kind: str, *args: str, redis_url: str, env: dict | None = None,
-              cwd: Path | None = None) -> subprocess.Popen:
+              cwd: Path | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """``prefix``: a command the worker runs under (``setpriv ...``)."""
         log = open(self.folder / f"worker-{kind}-{len(self.procs)}.log", "wb")
         full_env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1", **(env or {})}
-        proc = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", kind, "--config", str(config), *args],
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "draftfleet", "worker", kind, "--config", str(config),
+                                 *args],
                                 env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or REPO)
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)

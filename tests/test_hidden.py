@@ -7,6 +7,7 @@ import json
 import os
 import struct
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -24,7 +25,7 @@ from draftfleet.schemas.config import load_config
 from draftfleet.store import Store
 from draftfleet.workers.app import make_app
 
-from tests.conftest import run_cli, wait_until, write_config
+from tests.conftest import REPO, run_cli, wait_until, write_config
 from tests.test_core import _record
 
 
@@ -323,12 +324,82 @@ def test_a_killed_workers_engine_files_are_swept(tmp_path):
     for name in ("old.safetensors", "old.safetensors.lock", "held.safetensors", "held.safetensors.lock",
                  "gone.safetensors.lock", "x.safetensors.123.partial"):
         os.utime(folder / name, (hour_ago, hour_ago))
-    with open(folder / "held.safetensors.lock") as writer:
+    # issue 26 (3b): what the connector writes while it holds <x>.safetensors.lock is <x>.safetensors.<pid>.partial
+    (folder / "writing.safetensors.77.partial").write_text("")
+    (folder / "writing.safetensors.lock").write_text("")
+    for name in ("writing.safetensors.77.partial", "writing.safetensors.lock"):
+        os.utime(folder / name, (hour_ago, hour_ago))
+    with open(folder / "held.safetensors.lock") as writer, open(folder / "writing.safetensors.lock") as writing:
         fcntl.flock(writer, fcntl.LOCK_EX)  # a live writer holds it
+        fcntl.flock(writing, fcntl.LOCK_EX)  # a slow write of a large file, under its lock
         assert sweep_orphans(folder, 600) == 5
-    assert sorted(p.name for p in folder.iterdir()) == ["fresh.safetensors", "held.safetensors",
-                                                        "held.safetensors.lock"]
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "fresh.safetensors", "held.safetensors", "held.safetensors.lock", "writing.safetensors.77.partial",
+            "writing.safetensors.lock"]
     assert (tmp_path / "stored.safetensors").stat().st_nlink == 1  # the store's name stays
+    assert sweep_orphans(folder, 600) == 4  # its writers gone: all of it
+    assert sorted(p.name for p in folder.iterdir()) == ["fresh.safetensors"]
+
+
+def test_a_launched_engines_folder_is_its_hosts_and_the_start_up_sweep_leaves_held_files(
+        tmp_path, tokenizer_dir, redis_server):
+    """Issue 26 (3a): two hosts' ``worker capture --gpu 0`` on one store each give their engine a folder
+    of their own (``capture-gpu0@<host>``), and the start-up sweep of a host's folder removes what a
+    killed predecessor left, never a file whose lock a live writer holds. Before, every host's worker
+    emptied ``<storage>/capture-gpu0``, other hosts' in-flight files included."""
+    import fcntl
+    import socket
+
+    storage = tmp_path / "incoming"
+    config, cfg, _store = _capture_fleet(tmp_path, tokenizer_dir, "http://127.0.0.1:9", storage, [[1, 2, 3, 4]])
+    with open(config, "a") as fh:  # an engine that cannot start: the worker stops right after its sweep
+        fh.write(f'\n[backends.vllm.launch]\nmodel_path = "{tmp_path / "model"}"\n'
+                 f'python = "{tmp_path / "no-engine" / "python"}"\n')
+    mine, theirs = storage / f"capture-gpu0@{socket.gethostname()}", storage / "capture-gpu0@other-host"
+    shared_before = storage / "capture-gpu0"  # the one folder every host used before
+    files = {}
+    for folder, name in ((shared_before, "inflight"), (theirs, "inflight"), (mine, "held"), (mine, "left")):
+        folder.mkdir(parents=True, exist_ok=True)
+        for suffix in (".safetensors", ".safetensors.lock"):
+            (folder / (name + suffix)).write_text(name)
+        files[folder, name] = folder / (name + ".safetensors")
+    locks = []
+    for folder, name in ((shared_before, "inflight"), (theirs, "inflight"), (mine, "held")):
+        lock = open(folder / (name + ".safetensors.lock"))
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a live engine's writer
+        locks.append(lock)
+    try:
+        res = run_cli("worker", "capture", "--config", str(config), "--gpu", "0",
+                      env={"REDIS_URL": redis_server.url, "COLUMNS": "1000"}, timeout=120)
+        assert res.returncode != 0, res
+        assert files[shared_before, "inflight"].exists() and files[theirs, "inflight"].exists()
+        assert files[mine, "held"].exists() and (mine / "held.safetensors.lock").exists()
+        assert not files[mine, "left"].exists() and not (mine / "left.safetensors.lock").exists()
+    finally:
+        for lock in locks:
+            lock.close()
+
+
+def test_printing_the_engine_command_leaves_no_new_folder_behind(tmp_path, tokenizer_dir):
+    """Issue 26 (3d): every ``worker capture --print-engine-command`` made a new connector folder that
+    nobody removed; now every print names the same folder of this user's cache."""
+    from draftfleet.tokenizer import check_code_folder
+
+    cfg, _store = _fleet(tmp_path, tokenizer_dir)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    folders = []
+    for _ in range(3):
+        res = run_cli("worker", "capture", "--config", cfg.path, "--print-engine-command", env=env)
+        assert res.returncode == 0, res.stderr
+        folders.append(res.stdout.strip().split(" ", 1)[0].removeprefix("PYTHONPATH="))
+    assert len(set(folders)) == 1 and folders[0].startswith(str(tmp_path / "cache" / "draftfleet" / "connector-"))
+    assert not list((tmp_path / "tmp").iterdir()) and len(list((tmp_path / "cache" / "draftfleet").iterdir())) == 1
+    check_code_folder(folders[0], "test")
+    assert sorted(str(p.relative_to(folders[0])) for p in Path(folders[0]).rglob("*") if p.is_file()) == [
+        "draftfleet/__init__.py", "draftfleet/workers/__init__.py", "draftfleet/workers/vllm_connector.py"]
+    assert (Path(folders[0]) / "draftfleet/workers/vllm_connector.py").read_bytes() == (
+        REPO / "workers" / "vllm_connector.py").read_bytes()
 
 
 def test_vocabulary_counts_only_the_loss_masked_positions():
@@ -411,16 +482,33 @@ def test_capture_stores_nothing_an_engine_of_other_layers_computed(tmp_path, tok
 
     # the server at that URL restarted by hand with other layer ids: states of the same shape
     engine.contract = contract([1, 3, 6, 8], sha)
-    for i in (3, 4):
+    wrong_at = []
+
+    def answer(ids):  # when each request met the wrong engine
+        if engine.contract["layer_ids"] != [2, 4, 5, 8]:
+            wrong_at.append(time.monotonic())
+        return engine.right(ids)
+
+    engine.answer = answer
+    for i in range(3, 9):
         _put_record(store, i, [1, 2, 3, 4 + i])
-    assert queue_capture(cfg, store, app, r, "ds").queued == 2
+    assert queue_capture(cfg, store, app, r, "ds").queued == 6
     refusal = "the engine computed layers [1, 3, 6, 8] (hidden 128, 8 layers, bfloat16, model config"
-    wait_until(lambda: workers.logs(None).count(refusal) >= 2, 60, 0.1, f"two refusals\n{workers.logs()}")
-    line = next(ln for ln in workers.logs(None).splitlines() if refusal in ln)
+    wait_until(lambda: refusal in workers.logs(None), 60, 0.1, f"the refusal\n{workers.logs()}")
+    # issue 26 (3e): the worker backs off, one unit asking again after 5 s, then 10 s, and says so once
+    # (before: every thread asked again every 5 s and logged each refusal)
+    wait_until(lambda: time.monotonic() > wrong_at[0] + 13, 30, 0.2)
+    log = workers.logs(None)
+    assert log.count(refusal) == 1 and "pauses its captures" in log, log[-3000:]
+    line = next(ln for ln in log.splitlines() if refusal in ln)
     assert "ds v1 wants layers [2, 4, 5, 8]" in line and "nothing stored" in line, line
+    burst = [t for t in wrong_at if t < wrong_at[0] + 3]  # the requests under way when the pause began
+    later = [t - wrong_at[0] for t in wrong_at if t >= wrong_at[0] + 3]
+    assert len(burst) <= 4 and len(later) == 1 and 4.5 <= later[0] < 9, (burst, later)
     assert len(list(hidden.files("ds", 1))) == 3 and int(r.hget(rk.capture_progress("ds"), "failed") or 0) == 0
     engine.contract = contract([2, 4, 5, 8], sha)  # a right engine again: the units were left for it
-    wait_until(lambda: len(list(hidden.files("ds", 1))) == 5, 60, 0.1, f"5 files\n{workers.logs()}")
+    wait_until(lambda: len(list(hidden.files("ds", 1))) == 9, 60, 0.1, f"9 files\n{workers.logs()}")
+    assert "captures resume" in workers.logs(None)
 
 
 @pytest.mark.parametrize("engine_layers, why", [

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -514,6 +515,61 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     assert [p.name for p in (tmp_path / "out" / "ds.speculators" / "hidden_states").iterdir()] == ["hs_0.safetensors"]
     assert os.path.samefile(tmp_path / "out" / "ds.speculators" / "hidden_states" / "hs_0.safetensors",
                             hidden.path("ds", 1, other.key, 0))
+
+
+# root without CAP_FOWNER: a file of another user cannot be chmod'ed, as for an ordinary worker
+WITHOUT_FOWNER = ("setpriv", "--inh-caps=-fowner", "--bounding-set=-fowner")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="files of another user need root to make (chown) and setpriv to drop CAP_FOWNER")
+def test_an_engine_running_as_another_user_is_one_clear_failure_never_an_endless_requeue(
+        tmp_path, tokenizer_dir, redis_server, workers):
+    """Issue 26 (3c): the engine's files belong to another user, so the worker cannot make them
+    read-only (fchmod: EPERM). At start: one error line, the worker does not run. Mid-run: the unit
+    fails once, counted and logged; before, it went back to its queue every 5 s for ever."""
+    from draftfleet.hidden import HEADER_ROOM, HiddenStore
+    from draftfleet.producer.capture import queue_capture
+    from draftfleet.workers.app import make_app
+
+    from .capture_engine import CaptureEngine, contract, engine_file
+    from .test_hidden import _capture_fleet, _model_sha
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    others = {"from": 0}  # answers from this request on come from an engine of uid 65534
+
+    def answer(ids):
+        path = engine.fresh_path()
+        Path(path).write_bytes(engine_file(ids, 4, 128, engine.contract, room=HEADER_ROOM))
+        if len(engine.requests) > others["from"]:
+            os.chown(path, 65534, 65534)
+            os.chmod(path, 0o664)  # the engine's group may write it; only its owner may chmod it
+        return path, None
+
+    engine.answer = answer
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]], max_attempts=3)
+    r = redis_server.client()
+    assert queue_capture(cfg, store, make_app(redis_server.url, 3600), r, "ds").queued == 1
+    res = subprocess.run([*WITHOUT_FOWNER, sys.executable, "-m", "draftfleet", "worker", "capture", "--config",
+                          str(config), "--url", engine.url], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "REDIS_URL": redis_server.url, "COLUMNS": "1000"})
+    assert res.returncode == 1, res
+    [message] = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert "Operation not permitted" in message and "run the engine as the worker's user" in message, message
+    assert r.llen(rk.capture_queue("ds")) == 1 and not list(storage.iterdir())  # nothing taken, the probe removed
+
+    others["from"] = len(engine.requests) + 1  # the probe's file is the worker's own; the units' are not
+    workers.start(config, "capture", "--url", engine.url, "--name", "cap", redis_url=redis_server.url,
+                  prefix=WITHOUT_FOWNER)
+    progress = rk.capture_progress("ds")
+    wait_until(lambda: int(r.hget(progress, "failed") or 0) == 1 and not r.hlen(rk.UNACKED)
+               and not r.llen(rk.capture_queue("ds")), 60, 0.2, f"the unit failed once\n{workers.logs()}")
+    time.sleep(6)  # past the old requeue delay: it is not asked again
+    assert len([ids for ids in engine.requests if len(ids) > 1]) == 1, "the unit was sent again"
+    log = workers.logs(None)
+    assert log.count("failed: hidden_states_not_ours") == 1 and "goes back to its queue" not in log, log[-3000:]
+    assert not list(HiddenStore(store).files("ds", 1)) and int(r.hget(progress, "failed")) == 1
 
 
 def test_the_engine_imports_the_connector_from_a_private_folder_never_the_data_folder(tmp_path):

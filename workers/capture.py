@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import sys
@@ -100,18 +102,18 @@ def engine_args(layer_ids: list[int], storage_path: str, dtype: str = "bf16") ->
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
 
 
-def connector_folder() -> str:
+def connector_folder(parent: str | None = None) -> str:
     """A folder of this user's alone to put first on the engine's ``PYTHONPATH``: it holds only
     ``draftfleet/workers/vllm_connector.py`` (a copy of this installation's) and two empty
     ``__init__.py``, so the engine imports the connector and nothing else of the fleet (its own
     environment lacks the fleet's dependencies; the fleet's site-packages must not shadow its own).
 
     Never the data folder: whatever lies in a ``PYTHONPATH`` folder (a ``sitecustomize.py``) runs
-    in the engine. It is made fresh (``mkdtemp``: mode 0700, a new name) for each launch; the
-    worker that made it removes it when it stops (``remove_connector_folder``)."""
+    in the engine. It is made fresh (``mkdtemp``: mode 0700, a new name, in ``parent`` or the temp
+    folder) for each launch; the worker that made it removes it when it stops (``remove_connector_folder``)."""
     from draftfleet.tokenizer import check_code_folder
 
-    folder = tempfile.mkdtemp(prefix="draftfleet-connector-")
+    folder = tempfile.mkdtemp(prefix="draftfleet-connector-", dir=parent)
     try:
         package = Path(folder) / "draftfleet" / "workers"
         for d in (package.parent, package):
@@ -124,6 +126,34 @@ def connector_folder() -> str:
         remove_connector_folder(folder)
         raise
     return folder
+
+
+def lasting_connector_folder() -> str:
+    """The connector folder for a server started by hand (``--print-engine-command``): one per user
+    and connector code, ``<cache>/draftfleet/connector-<sha256 of the module, 16>`` (``$XDG_CACHE_HOME``
+    or ``~/.cache``), made once (``connector_folder`` beside it, renamed into place whole) and the
+    same for every later print, so printing the command leaves nothing new behind and the command
+    printed keeps working while its server runs. A folder there that is not exactly that (changed,
+    or another account's) is refused by ``check_code_folder`` or made again."""
+    from draftfleet.tokenizer import check_code_folder
+
+    code = Path(__file__).with_name("vllm_connector.py").read_bytes()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftfleet"
+    final = base / f"connector-{hashlib.sha256(code).hexdigest()[:16]}"
+    module = final / "draftfleet" / "workers" / "vllm_connector.py"
+    if final.is_dir() and not final.is_symlink():
+        check_code_folder(str(final), "the capture engine imports the connector from it")
+        if module.is_file() and module.read_bytes() == code:
+            return str(final)
+        remove_connector_folder(str(final))  # not what this installation writes: made again
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    made = connector_folder(str(base))
+    try:
+        os.rename(made, final)
+    except OSError:  # another print made it meanwhile
+        remove_connector_folder(made)
+        return lasting_connector_folder()
+    return str(final)
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -415,6 +445,62 @@ def check_states(ids: list[int], got: Captured, m: CaptureManifest) -> None:
         raise Permanent("hidden_states_not_finite", "the captured states hold inf or NaN")
 
 
+# An engine configured otherwise than the version (check_contract, check_states): every unit meets it.
+_SETTINGS_HALTS = frozenset({"engine_contract", "hidden_states_shape", "hidden_states_dtype", "hidden_states_scales"})
+SETTINGS_PAUSE_MAX_S = 60.0
+
+
+class EngineGate:
+    """The worker's pause while its engine's files carry other settings than the version's (an engine
+    restarted by hand with other layers): the units go back to their queue, and instead of every
+    thread asking the engine again at once, one unit tries it after ``INFRA_RETRY_S``, then after
+    twice as long each time it is still wrong, up to ``SETTINGS_PAUSE_MAX_S``; the others wait. The
+    log says so once, and once more when the engine is right again."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._delay = 0.0  # 0: open
+        self._until = 0.0
+        self._probing = False
+
+    def enter(self) -> bool:
+        """Wait until this thread may ask the engine; True when it asks as the paused worker's probe."""
+        with self._cond:
+            while self._delay:
+                wait = self._until - time.monotonic()
+                if wait <= 0 and not self._probing:
+                    self._probing = True
+                    return True
+                self._cond.wait(wait if wait > 0 else None)
+            return False
+
+    def wrong(self, probe: bool, why: Halt) -> None:
+        """The engine's file carried other settings: pause (a probe's failure doubles the pause; a
+        request already under way when the pause began changes nothing)."""
+        with self._cond:
+            first = not self._delay
+            if first or probe:
+                self._delay = INFRA_RETRY_S if first else min(SETTINGS_PAUSE_MAX_S, 2 * self._delay)
+                self._until = time.monotonic() + self._delay
+            if probe:
+                self._probing = False
+            self._cond.notify_all()
+        if first:
+            log.error("%s; the unit goes back to its queue and this worker pauses its captures: one unit asks the "
+                      "engine again in %.0fs, then after twice as long each time, up to %.0fs (said once; the "
+                      "units stay queued, none fails)", why, INFRA_RETRY_S, SETTINGS_PAUSE_MAX_S)
+
+    def done(self, probe: bool, right: bool) -> None:
+        """An attempt ended otherwise; ``right``: its file carried the version's settings."""
+        with self._cond:
+            if right and self._delay:
+                self._delay = 0.0
+                log.warning("the engine's files carry the version's settings again: captures resume")
+            if probe:
+                self._probing = False
+            self._cond.notify_all()
+
+
 class CaptureRuntime:
     """Per-process state of a capture worker."""
 
@@ -429,6 +515,7 @@ class CaptureRuntime:
         self.dtype = dtype  # the manifest's name of the states' dtype this worker's engine writes
         self.storage = storage  # where the engine writes its files (swept of a killed worker's)
         self.warned_copy = False
+        self.gate = EngineGate()
         self._manifests: dict[tuple[str, int], CaptureManifest] = {}
         self.claims = Claims(r, hostname)
         self._stop = threading.Event()
@@ -476,36 +563,65 @@ class CaptureRuntime:
 
 def sweep_orphans(folder: Path, age_s: float) -> int:
     """Remove what killed workers left in the engine's folder: files already linked into the store
-    (a second name), and files, locks and partial writes ``age_s`` old that nobody holds the lock of."""
+    (a second name), and files, locks and partial writes ``age_s`` old whose lock nobody holds.
+
+    The connector's names (``vllm_connector.py``): ``<x>.safetensors``, its lock ``<x>.safetensors.lock``
+    (held ``LOCK_EX`` from the request's scheduling until the file is whole) and, while it writes,
+    ``<x>.safetensors.<pid>.partial`` under that same lock. Everything acts in the folder's descriptor."""
     removed = 0
     now = time.time()
     try:
-        entries = list(os.scandir(folder))
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return 0
-    for e in entries:
-        if not e.name.endswith((".safetensors", ".safetensors.lock", ".partial")) or not e.is_file(follow_symlinks=False):
-            continue
-        try:
-            st = e.stat(follow_symlinks=False)
-            if e.name.endswith(".safetensors") and st.st_nlink > 1:
-                os.unlink(e.path)  # stored: the store keeps its own name
+    try:
+        for e in list(os.scandir(dir_fd)):
+            lock = _lock_name(e.name)
+            if lock is None or not e.is_file(follow_symlinks=False):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+                if e.name.endswith(".safetensors") and st.st_nlink > 1:
+                    os.unlink(e.name, dir_fd=dir_fd)  # stored: the store keeps its own name
+                    removed += 1
+                    continue
+                if now - st.st_mtime < age_s or _held(dir_fd, lock):
+                    continue
+                os.unlink(e.name, dir_fd=dir_fd)
                 removed += 1
+            except OSError:  # gone meanwhile
                 continue
-            if now - st.st_mtime < age_s:
-                continue
-            lock = e.path if e.name.endswith(".lock") else e.path + ".lock"
-            if os.path.exists(lock):
-                fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its writer is alive
-                finally:
-                    os.close(fd)
-            os.unlink(e.path)
-            removed += 1
-        except OSError:  # BlockingIOError included: held, or gone meanwhile
-            continue
+    finally:
+        os.close(dir_fd)
     return removed
+
+
+_PARTIAL = re.compile(r"^(.+\.safetensors)\.\d+\.partial$")
+
+
+def _lock_name(name: str) -> str | None:
+    """The lock a connector's entry is written under; None for anything else."""
+    if name.endswith(".safetensors.lock"):
+        return name
+    if name.endswith(".safetensors"):
+        return name + ".lock"
+    m = _PARTIAL.match(name)
+    return m.group(1) + ".lock" if m else None
+
+
+def _held(dir_fd: int, lock: str) -> bool:
+    """Whether a live writer holds ``lock`` (a missing lock: nobody)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 _runtime: CaptureRuntime | None = None
@@ -603,6 +719,7 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
     got: Captured | None = None
     failure: Exception | None = None
     for attempt in range(1, rt.cfg.fleet.max_attempts + 1):
+        probe = rt.gate.enter()
         try:
             got = None
             try:
@@ -619,22 +736,32 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
                 log.exception("capture %s/%s turn %s: unexpected error", task.dataset, task.key, turn_name(task.turn))
                 raise Transient("internal", f"{type(exc).__name__}: {exc}") from None
             failure = None
+            rt.gate.done(probe, right=True)
             break
         except Halt as exc:  # the server, not the unit: back to the queue for when it is fixed
+            if exc.reason in _SETTINGS_HALTS:
+                rt.gate.wrong(probe, exc)
+                raise Reject(exc.reason, requeue=True) from None  # Celery logs each; the reason is said once
+            rt.gate.done(probe, right=False)
             log.error("capture %s/%s turn %s: %s; the task goes back to its queue", task.dataset, task.key,
                       turn_name(task.turn), exc)
             time.sleep(INFRA_RETRY_S)
             raise Reject(str(exc), requeue=True) from None
         except Permanent as exc:
+            rt.gate.done(probe, right=got is not None)
             failure = exc
             break
         except Transient as exc:
+            rt.gate.done(probe, right=got is not None)
             failure = exc
             if attempt < rt.cfg.fleet.max_attempts:
                 delay = backoff_s(attempt, exc.retry_after)
                 log.warning("capture %s/%s turn %s: %s; retry %d in %.1fs", task.dataset, task.key,
                             turn_name(task.turn), exc, attempt, delay)
                 time.sleep(delay)
+        except BaseException:  # a shutdown: the probe's turn goes to another thread
+            rt.gate.done(probe, right=False)
+            raise
     stored = False
     if failure is None:
         assert got is not None and got.contract is not None
@@ -758,11 +885,7 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
     try:
         if gpus is not None:
             launch = cfg.vllm.launch
-            # A folder per launched server: what a killed predecessor's engine wrote there and nobody
-            # took is swept now (the store never holds it; the unit is captured again).
-            storage = Path(storage_path(cfg)) / label
-            for left in storage.glob("*.safetensors*"):
-                left.unlink(missing_ok=True)
+            storage = engine_folder(cfg, label)
             connector = connector_folder()
             server = capture_server(launch, gpus, port_for(launch, gpus), layer_ids, str(storage), connector,
                                     dtype=cfg.capture.dtype)
@@ -804,6 +927,19 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
         sys.stdout.flush()
 
 
+def engine_folder(cfg: FleetConfig, label: str) -> Path:
+    """The folder a launched server writes in, one per host and GPU set (``<storage>/<label>@<host>``:
+    hosts sharing a store never share it), swept of what a killed predecessor's engine wrote there
+    and nobody took (the store never holds it; the unit is captured again). A file whose lock a live
+    writer holds is left (``sweep_orphans``)."""
+    import socket
+
+    storage = Path(storage_path(cfg)) / f"{label}@{socket.gethostname()}"
+    make_dirs(storage)
+    sweep_orphans(storage, 0)
+    return storage
+
+
 def check_engine(client: CaptureClient, want: EngineContract) -> None:
     """Refuse to start (CaptureError) against an engine whose files carry no contract or another
     one than this worker's settings: one capture of a single token, before any unit is taken."""
@@ -824,10 +960,10 @@ def check_engine(client: CaptureClient, want: EngineContract) -> None:
 
 def engine_command(cfg: FleetConfig) -> str:
     """The ``vllm serve`` command line of a capture server started by hand for ``cfg`` (``worker
-    capture --url``): the extraction and connector flags, with ``PYTHONPATH`` naming a fresh
-    connector folder of this user's (``connector_folder``; remove it once that server is gone)."""
+    capture --url``): the extraction and connector flags, with ``PYTHONPATH`` naming this user's
+    connector folder (``lasting_connector_folder``: the same one every time)."""
     import shlex
 
     model, layer_ids = capture_settings(cfg)
     args = ["vllm", "serve", model.path, *engine_args(layer_ids, storage_path(cfg), cfg.capture.dtype)]
-    return f"PYTHONPATH={shlex.quote(connector_folder())} {shlex.join(args)}"
+    return f"PYTHONPATH={shlex.quote(lasting_connector_folder())} {shlex.join(args)}"

@@ -178,14 +178,16 @@ def test_captured_states_match_transformers_and_both_trainers_read_the_exports(
     assert all("header_room" not in read_safetensors(hidden.path("hs", 1, rec.key, 0), ())[1] for rec in store.records("hs"))
 
     # inventory shows the captured tokens and bytes; status the capture's progress
-    inv = run_cli("inventory", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
+    # (--verify: every stored file's tensors are the ones the worker checked, by the digest in its header)
+    inv = run_cli("inventory", "--config", str(config), "--json", "--verify", env={"REDIS_URL": redis_server.url})
     assert inv.returncode == 0, inv.stderr
     [hs_inv] = [i for i in json.loads(inv.stdout) if i["dataset"] == "hs"]
     # no budget in this config: nothing more to come once every turn is captured
     assert hs_inv["hidden_states"] == {"version": 1, "layer_ids": [2, 4, 5, 8], "units": 12, "files": 12,
                                        "turns": 12, "tokens": total_tokens, "bytes": total_bytes, "dtype": "bfloat16",
                                        "bytes_per_token": round(total_bytes / total_tokens, 1),
-                                       "projected_bytes": 0}, hs_inv["hidden_states"]
+                                       "projected_bytes": 0, "verified": 12, "unsealed": 0,
+                                       "bad_files": []}, hs_inv["hidden_states"]
 
     st = run_cli("status", "--config", str(config), "--json", env={"REDIS_URL": redis_server.url})
     assert st.returncode == 0, st.stderr
