@@ -26,6 +26,7 @@ can reach the store's folder). Only the quarantine files, appended to, stay writ
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -174,8 +175,11 @@ def link_once(src: int | str | Path, final: Path) -> bool:
         if _lexists_at(folder, final.name):
             return False
         os.fchmod(src, FILE_MODE)  # stored files are read-only, whoever wrote them
-        try:
-            os.link(f"/proc/self/fd/{src}", final.name, dst_dir_fd=folder, follow_symlinks=True)
+        held = f"/proc/self/fd/{src}"
+        if not os.path.exists(held):  # (a file with no name left still resolves: linkat then says ENOENT)
+            raise OSError(errno.ENOSYS, "/proc is not mounted: an open file cannot be linked by its descriptor", held)
+        try:  # a dir fd makes Python call linkat (AT_SYMLINK_FOLLOW resolves the magic link); link(2) says EXDEV
+            os.link(held, final.name, dst_dir_fd=folder, follow_symlinks=True)
         except FileExistsError:
             return False
         os.fsync(folder)
