@@ -54,6 +54,7 @@ MARKER = ".draftfleet-store"
 # What a store made before the marker existed can hold: it is recognised, and marked.
 _FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "_log",
                   "lost+found"}
+_TEMP_RE = re.compile(r"^\.tmp-[A-Za-z0-9_]+\.json$")  # _write_temp's names (tempfile.mkstemp)
 _encoder = msgspec.json.Encoder()
 _record_decoder = msgspec.json.Decoder(ResponseRecord)
 _failure_decoder = msgspec.json.Decoder(FailureRecord)
@@ -218,9 +219,12 @@ class Store:
         if root.exists():
             if not root.is_dir():
                 raise StoreError(f"refusing store {self.root}: not a folder")
+            # The marker's own temp file is the fleet's: two workers started together on a new store
+            # each write one, and the second used to find the first's and refuse (exit 1, issue 26.8).
             foreign = sorted(e.name for e in os.scandir(root) if not (
-                e.name in _FLEET_ENTRIES or (e.is_dir(follow_symlinks=False) and NAME_RE.match(e.name)
-                                             and os.path.isfile(os.path.join(e.path, "manifest.json")))))
+                e.name in _FLEET_ENTRIES or _TEMP_RE.match(e.name) and e.is_file(follow_symlinks=False)
+                or (e.is_dir(follow_symlinks=False) and NAME_RE.match(e.name)
+                    and os.path.isfile(os.path.join(e.path, "manifest.json")))))
             if foreign:
                 shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
                 raise StoreError(f"refusing store {self.root}: it holds files the fleet did not make ({shown}) "

@@ -171,6 +171,28 @@ class TestStoreRoot:
         with pytest.raises(StoreError, match=r"\(etc\)"):
             Store(tmp_path).prepare()
 
+    def test_two_workers_preparing_a_new_store_together_both_start(self, tmp_path, monkeypatch):
+        # Two workers started at once on a new store (CI's fault tests start a GPU and a cloud worker
+        # together): the second looked while the first's marker was still its temp file, refused the
+        # store as foreign, and exited 1 (issue 26.8). The second's look is put in exactly that moment.
+        root = tmp_path / "store"
+        replace, looked = os.replace, []
+
+        def second_worker_looks_first(src, dst):
+            if str(dst).endswith(store_module.MARKER) and not looked:
+                looked.append(sorted(os.listdir(root)))  # the temp file, no marker yet
+                Store(root).prepare()
+            replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", second_worker_looks_first)
+        Store(root).prepare()
+        assert looked and looked[0][0].startswith(".tmp-") and (root / store_module.MARKER).is_file()
+        assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / ".tmp-notours.txt").write_text("x")  # only the fleet's own temp names pass
+        with pytest.raises(StoreError, match="notours"):
+            Store(tmp_path / "other").prepare()
+
     def test_enqueue_refuses_a_system_folder_as_store(self, tmp_path, tokenizer_dir, redis_server):
         data = write_jsonl(tmp_path / "data" / "p.jsonl", [{"prompt": "hi"}])
         system = tmp_path / "sys"
