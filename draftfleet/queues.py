@@ -83,6 +83,17 @@ def await_lost_claims(r: redis.Redis) -> bool:
     (claims first), so ``STATE_SETTLE_S`` after the stamp every one of them has. A marker found
     already stamped is not enough: the other workers may not have seen it yet.
     """
+    left = lost_claims_settle_s(r)
+    if left <= 0:
+        return False
+    time.sleep(left)
+    return True
+
+
+def lost_claims_settle_s(r: redis.Redis) -> float:
+    """How long from now until the claims lost with Redis's state are back (0: none lost, or back
+    already); stamps the marker when it is gone, as :func:`await_lost_claims` does. A caller with
+    work to do meanwhile (``draftfleet capture`` scanning the store) waits only for the rest."""
     raw = r.get(rk.STATE)
     if raw is None:
         r.set(rk.STATE, rk.state_stamp(r), nx=True)
@@ -92,11 +103,7 @@ def await_lost_claims(r: redis.Redis) -> bool:
     except ValueError:
         stamp = 0.0
     sec, usec = r.time()
-    left = stamp + rk.STATE_SETTLE_S - (sec + usec / 1e6)
-    if left <= 0:
-        return False
-    time.sleep(left)
-    return True
+    return max(0.0, stamp + rk.STATE_SETTLE_S - (sec + usec / 1e6))
 
 
 def depth(r: redis.Redis, dataset: str) -> int:

@@ -29,8 +29,8 @@ from draftfleet.conversation import record_turns
 from draftfleet.hidden import (CONVERSATION, DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings,
                                check_storage, conversation_spans, measured_bytes_per_token, projected_bytes,
                                storage_path)
-from draftfleet.producer.enqueue import PUBLISH_BATCH, TaskSender
-from draftfleet.queues import await_lost_claims, claimed_units, waiting_ids
+from draftfleet.producer.sender import PUBLISH_BATCH, TaskSender
+from draftfleet.queues import claimed_units, lost_claims_settle_s, waiting_ids
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import CaptureManifest, CaptureTask, turn_name
 from draftfleet.store import Store
@@ -90,6 +90,10 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
                   records: Selection | None = None) -> CaptureSummary:
     """Queue the record turns that lack hidden states, of the dataset's current version unless
     ``records`` chooses (``versions.select``); refuse when they will not fit."""
+    # Claims before the queue, as enqueue does: after Redis came back empty, running workers put
+    # theirs back within a poll, so what they capture now is not sent again. The wait for them runs
+    # while the store is scanned.
+    settled = time.monotonic() + lost_claims_settle_s(r)
     records = records or select(store, dataset)
     model, layer_ids = capture_settings(cfg)
     check_storage(cfg, storage_path(cfg))  # the engine's files are linked into the store: same file system
@@ -142,13 +146,11 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
                            "--ignore-space to start anyway")
     m = existing or start_version(hidden, wanted)
     queue = rk.capture_queue(dataset)
-    # Claims before the queue, as enqueue does: after Redis came back empty, running workers put
-    # theirs back within a poll, so what they capture now is not sent again.
-    await_lost_claims(r)
+    time.sleep(max(0.0, settled - time.monotonic()))
     held = claimed_units(r, dataset)
     waiting = waiting_ids(r, queue)  # a unit a dead worker held is queued again: harmless (write-once)
     queued = already = running = 0
-    with app.producer_or_acquire() as producer, producer.batch(max_size=PUBLISH_BATCH):
+    with app.producer_or_acquire() as producer, producer.batch(max_size=PUBLISH_BATCH) as batch:
         sender = TaskSender(app, producer, queue, rk.CAPTURE_TASK_NAME)
         for task, _n in pending:
             task = msgspec.structs.replace(task, version=m.version)
@@ -160,6 +162,8 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
                 continue
             sender.send(task.unit, msgspec.to_builtins(task), f"{dataset} {task.key[:12]} turn {turn_name(task.turn)}")
             queued += 1
+            if queued == 1:
+                batch.flush()  # a waiting worker, and its engine, start on it while the rest is sent
     r.delete(rk.capture_progress(dataset))
     r.hset(rk.capture_progress(dataset), mapping={
         "version": m.version, "units": units, "done": done, "queued": queued + already + running, "captured": 0,

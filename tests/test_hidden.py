@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -217,6 +219,34 @@ def test_capture_refuses_more_than_the_free_space(tmp_path, tokenizer_dir, redis
     assert res.returncode == 0, res.stderr
     [summary] = json.loads(res.stdout)
     assert (summary["dataset"], summary["queued"], summary["already_queued"]) == ("ds", 0, 3)
+
+
+def test_capture_puts_its_first_unit_on_the_queue_before_sending_the_rest(tmp_path, tokenizer_dir, redis_server,
+                                                                         monkeypatch):
+    # A capture worker (and its engine) waits for draftfleet capture: the first unit goes out in its own
+    # round trip, not in the first batch of 50 (BENCHMARKS.md, capture alone against alone)
+    from draftfleet.producer import sender
+
+    cfg, store = _fleet(tmp_path, tokenizer_dir)
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    seen_at_send: list[int] = []
+    send = sender.TaskSender.send
+
+    def watching(self, *args, **kwargs):
+        seen_at_send.append(r.llen(rk.capture_queue("ds")))
+        return send(self, *args, **kwargs)
+
+    monkeypatch.setattr(sender.TaskSender, "send", watching)
+    assert queue_capture(cfg, store, app, r, "ds").queued == 3
+    assert seen_at_send == [0, 1, 1]  # the first was in Redis when the second was built; the rest batched
+    assert r.llen(rk.capture_queue("ds")) == 3
+
+
+def test_the_capture_command_does_not_load_the_dataset_readers():
+    # pyarrow and ijson cost the command's start, which a waiting engine idles through
+    code = "import sys, draftfleet.cli.capture, draftfleet.producer.capture; print(sorted({'pyarrow', 'ijson'} & set(sys.modules)))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res
 
 
 def test_speculators_layout_links_the_files_and_aligns_the_rows(tmp_path):
