@@ -27,6 +27,12 @@ def runs(messages: Sequence[Message]) -> list[list[Message]]:
     return out
 
 
+def answers(task: PromptTask) -> int:
+    """How many answers a task asks for: its conversation's turns (1 for a single-turn prompt).
+    What admission reserves for (``ledger.reservation``), in the worker and in every view."""
+    return len(runs(task.messages))
+
+
 def answer(turn: Turn) -> Message:
     """A regenerated turn as the history of the next one."""
     return Message("assistant", turn.text, turn.reasoning)

@@ -332,7 +332,7 @@ class BudgetUse(msgspec.Struct, frozen=True, kw_only=True):
     paid_tokens: int  # tokens of the paid turns of conversations with no record yet (kept in _progress/)
     spent_tokens: int  # the two together: what admission counts as committed
     left_tokens: int | None  # the budget less what is spent (None: no budget)
-    expected_tokens: int  # what admission reserves for the next prompt (the mean, or half of max_tokens)
+    expected_tokens: int  # what admission reserves for the next prompt (:func:`reservation`)
     full: bool  # less than that is left: admission refuses the next prompt and the dataset closes
 
 
@@ -350,6 +350,16 @@ def expected_tokens(responses: int, completion_tokens: int, max_tokens: int) -> 
     if responses >= 5:
         return max(1, round(completion_tokens / responses))
     return max(1, max_tokens // 2)
+
+
+def reservation(responses: int, completion_tokens: int, max_tokens: int, turns: int = 1,
+                turns_left: int | None = None) -> int:
+    """What admission reserves for a prompt of ``turns`` answers, ``turns_left`` of them still to
+    come (default all: a new one). A record is a whole conversation, so the expected tokens per
+    record (before five: half of ``max_tokens`` for each turn) are scaled to the turns left. The
+    worker's admission and every view's ``full`` take it from here, so they cannot disagree."""
+    turns_left = turns if turns_left is None else turns_left
+    return max(1, expected_tokens(responses, completion_tokens, max_tokens * turns) * turns_left // turns)
 
 
 def micro_usd(cost: float) -> int:
@@ -449,14 +459,19 @@ class Ledger:
     # -- budgets ---------------------------------------------------------------------------
     def expected_tokens(self, dataset: str, max_tokens: int) -> int:
         """Tokens a response of this dataset is expected to take: the running mean, once known."""
-        t = _decode_hash(self.r.hgetall(rk.dataset_totals(dataset)))
-        return expected_tokens(t.get("responses", 0), t.get("completion_tokens", 0), max_tokens)
+        return self.reservation(dataset, max_tokens)
 
-    def budget_use(self, dataset: str, budget: int | None, max_tokens: int) -> BudgetUse:
-        """The dataset's budget as admission sees it now (``max_tokens``: its tasks')."""
+    def reservation(self, dataset: str, max_tokens: int, turns: int = 1, turns_left: int | None = None) -> int:
+        """What :meth:`admit` is asked to reserve for a prompt of this dataset (:func:`reservation`)."""
+        t = self.dataset_totals(dataset)
+        return reservation(t.get("responses", 0), t.get("completion_tokens", 0), max_tokens, turns, turns_left)
+
+    def budget_use(self, dataset: str, budget: int | None, max_tokens: int, turns: int = 1) -> BudgetUse:
+        """The dataset's budget as admission sees it now (``max_tokens``: its tasks'; ``turns``: the
+        answers of the next prompt, a new conversation's turns)."""
         t = self.dataset_totals(dataset)
         stored, paid = (t.get(f, 0) for f in BUDGET_FIELDS)
-        return budget_use(budget, stored, paid, expected_tokens(t.get("responses", 0), stored, max_tokens))
+        return budget_use(budget, stored, paid, reservation(t.get("responses", 0), stored, max_tokens, turns))
 
     def admit(self, dataset: str, key: str, token: str, budget: int, expected: int, max_tokens: int) -> int:
         """ADMITTED (reservation held), WAIT (no room unless what is in flight comes in short),

@@ -8,12 +8,16 @@ keys already queued; nothing else needs to be remembered, so nothing can go stal
 
 from __future__ import annotations
 
+import base64
 import time
 
 import msgspec
 import redis
+from kombu.compression import decompress
 
 from draftfleet import redis_keys as rk
+from draftfleet.conversation import answers
+from draftfleet.schemas.records import PromptTask
 
 
 class _Headers(msgspec.Struct):
@@ -44,6 +48,37 @@ def waiting_ids(r: redis.Redis, queue: str, batch: int = 5000) -> set[str]:
         start += batch
     ids.discard("")
     return ids
+
+
+class _Message(msgspec.Struct):
+    body: str = ""
+    headers: dict = {}
+    properties: dict = {}
+    content_type: str = msgspec.field(default="application/json", name="content-type")
+
+
+def next_task(r: redis.Redis, dataset: str) -> PromptTask | None:
+    """The task a worker takes next from the dataset's queue (kombu publishes with LPUSH, and
+    consumes and gives back with BRPOP and RPUSH: the right end), or None (empty, or not a task)."""
+    raw = r.lindex(rk.queue(dataset), -1)
+    if raw is None:
+        return None
+    try:
+        m = msgspec.json.decode(raw, type=_Message)
+        body = base64.b64decode(m.body) if m.properties.get("body_encoding") == "base64" else m.body.encode()
+        if m.headers.get("compression"):
+            body = decompress(body, m.headers["compression"])
+        args = msgspec.json.decode(body)[0]  # Celery's protocol 2: [args, kwargs, embed]
+        return msgspec.convert(args[0], PromptTask)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, IndexError, KeyError):
+        return None
+
+
+def next_answers(r: redis.Redis, dataset: str) -> int:
+    """How many answers the dataset's next task asks for (``conversation.answers``; 1 when the
+    queue holds none): the turns admission reserves for when it comes."""
+    task = next_task(r, dataset)
+    return answers(task) if task is not None else 1
 
 
 def queued_keys(r: redis.Redis, dataset: str, batch: int = 5000) -> set[str]:

@@ -272,3 +272,22 @@ def test_admission_refuses_because_of_paid_turns(redis_server):
     assert (use.spent_tokens, use.paid_tokens, use.left_tokens, use.expected_tokens, use.full) == (900, 900, 100, 128, True)
     assert ledger.admit("ds", "ask", "w", 1000, 128, 256) == REFUSED and ledger.closed_at("ds") == 1000
     assert not ledger.budget_use("fresh", 1000, 256).full
+
+
+def test_views_reserve_what_admission_reserves_for_a_conversation(redis_server):
+    """One reservation for the worker's admission and the views (``reservation``): a new 3-turn
+    conversation of max_tokens 256 reserves 384 before five records (half of max_tokens a turn),
+    a conversation with one turn left 128; after them, the mean record (a whole conversation: 300
+    here), its turns left's share when resumed. With 250 left of the budget, the views say full
+    and admission refuses that conversation."""
+    r = redis_server.client()
+    ledger = Ledger(r)
+    assert (ledger.reservation("ds", 256, 3), ledger.reservation("ds", 256, 3, 1), ledger.reservation("ds", 256)) == (384, 128, 128)
+    assert ledger.budget_use("ds", 300, 256, 3).full and not ledger.budget_use("ds", 300, 256).full
+    for i, n in enumerate((100, 500) * 3):
+        assert ledger.count(_rec(f"k{i}", n))
+    assert (ledger.reservation("ds", 256, 3), ledger.reservation("ds", 256, 3, 1)) == (300, 100)
+    use = ledger.budget_use("ds", 2050, 256, 3)
+    assert (use.left_tokens, use.expected_tokens, use.full) == (250, 300, True)
+    r.set(rk.claim("ds", "conv"), "w", ex=120)
+    assert ledger.admit("ds", "conv", "w", 2050, ledger.reservation("ds", 256, 3), 256 * 3) == REFUSED

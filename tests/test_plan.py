@@ -13,10 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assign
+from draftfleet.conversation import answers
 from draftfleet.identity import prompt_key
 from draftfleet.ledger import REFUSED, Ledger
 from draftfleet.producer.enqueue import prompt_messages
 from draftfleet.producer.readers import read_prompts
+from draftfleet.queues import next_task
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import Message, ResponseRecord, Turn, TurnProgress, Usage, WorkerReport
 from draftfleet.store import Store
@@ -287,6 +289,19 @@ def test_imported_records_are_no_backends_rate(tmp_path, redis_server):
     assert "busy_ms" not in ledger.totals("B3")["sglang"]
 
 
+def _kept_turns(store: Store, ledger: Ledger, conversations: int, sizes: tuple[int, ...], now: float) -> None:
+    """Conversations of B3_magicoder handed back between turns: turns of ``sizes`` tokens, paid (marked in
+    the ledger) and kept in ``_progress/``."""
+    for c in range(conversations):
+        key = f"{100 + c:064x}"
+        turns = [msgspec.convert({**msgspec.to_builtins(record(key, "B3_magicoder", n, backend="openrouter", kind="cloud",
+                                                               created_at=now - 30, latency_s=1.0)), "prompt_ids": [1]},
+                                 Turn) for n in sizes]
+        store.put_progress(TurnProgress(key=key, dataset="B3_magicoder", turns=turns))
+        for i, t in enumerate(turns):
+            assert ledger.prepay("B3_magicoder", key, i, "openrouter", t.cost_usd, t.completion_tokens)
+
+
 def test_paid_turns_are_spent_in_every_view_as_admission_counts_them(tmp_path, redis_server, tokenizer_dir):
     """Issue 26, item 5: conversations handed back between turns have paid 900 tokens of a 1,000
     budget (kept in ``_progress/``, marked in the ledger) and one record of 20 tokens is stored, made
@@ -301,14 +316,7 @@ def test_paid_turns_are_spent_in_every_view_as_admission_counts_them(tmp_path, r
     rec = record(f"{1:064x}", "B3_magicoder", 20, backend="openrouter", kind="cloud", created_at=now - 60, latency_s=2.0,
                  cost_usd=0.00005, cost_source="provider")
     assert store.put(rec) and ledger.count(rec, now=rec.created_at)
-    for c in range(3):  # three conversations, each with turns of 100 + 200 tokens paid and kept
-        key = f"{100 + c:064x}"
-        turns = [msgspec.convert({**msgspec.to_builtins(record(key, "B3_magicoder", n, backend="openrouter", kind="cloud",
-                                                               created_at=now - 30, latency_s=1.0)), "prompt_ids": [1]},
-                                 Turn) for n in (100, 200)]
-        store.put_progress(TurnProgress(key=key, dataset="B3_magicoder", turns=turns))
-        for i, t in enumerate(turns):
-            assert ledger.prepay("B3_magicoder", key, i, "openrouter", t.cost_usd, t.completion_tokens)
+    _kept_turns(store, ledger, 3, (100, 200), now)  # three conversations, each with turns of 100 + 200 tokens
     _report(r, "cloud-0", "cloud", "openrouter", ["B3_magicoder"])
     r.rpush(rk.queue("B3_magicoder"), *([b"{}"] * 10))
     env = {"REDIS_URL": redis_server.url}
@@ -352,3 +360,58 @@ def test_paid_turns_are_spent_in_every_view_as_admission_counts_them(tmp_path, r
     after = views()
     assert after == [("plan", 80, None, "closed"), ("status", 80, None, "closed"), ("metrics", 80, None, "-"),
                      ("report", 80, None, "closed")]
+
+
+def test_a_new_conversation_reserves_its_turns_in_every_view_as_admission_does(tmp_path, redis_server, tokenizer_dir):
+    """Before five responses admission reserves half of max_tokens for each turn of a new
+    conversation (256 x 3 / 2 = 384 for the 3-turn conversations enqueued here); the views took half
+    of max_tokens once (128). With 720 of a 1,000 budget spent (700 in kept turns, one record of 20
+    made a minute ago by a live cloud worker), 280 are left: admission refuses the next conversation,
+    so plan, status and metrics say full and no ETA (before: open, with an ETA), then closed."""
+    config = seed_config(tmp_path, tokenizer_dir, prompts=1, budget=1000, max_tokens=256, extra='turns = "all"')
+    write_jsonl(tmp_path / "magicoder.jsonl", [{"messages": [m for t in range(3) for m in (
+        {"role": "user", "content": f"conversation {i} turn {t}"}, {"role": "assistant", "content": "x"})]}
+        for i in range(6)])
+    cfg = load_config(config)
+    store = Store(cfg.fleet.store)
+    r = redis_server.client()
+    env = {"REDIS_URL": redis_server.url}
+    cp = run_cli("enqueue", "--config", str(config), "--json", env=env)
+    assert cp.returncode == 0, cp.stderr
+    assert json.loads(cp.stdout)[0]["queued"] == 6
+    ledger, now = Ledger(r), time.time()
+    rec = record(f"{1:064x}", "B3_magicoder", 20, backend="openrouter", kind="cloud", created_at=now - 60, latency_s=2.0)
+    assert store.put(rec) and ledger.count(rec, now=rec.created_at)
+    _kept_turns(store, ledger, 2, (200, 150), now)  # two conversations stopped after turns of 200 + 150 tokens
+    _report(r, "cloud-0", "cloud", "openrouter", ["B3_magicoder"])
+
+    def views() -> list[tuple[str, int, int, float | None, str]]:
+        """(view, budget left, reservation, ETA, state) as plan, status and metrics say them."""
+        cp = run_cli("plan", "--config", str(config), "--json", env=env)
+        assert cp.returncode == 0, cp.stderr
+        (plan,) = json.loads(cp.stdout)
+        assert plan["budget"]["spent_tokens"] == 720 and plan["budget"]["paid_tokens"] == 700
+        got = [("plan", plan["budget"]["left_tokens"], plan["budget"]["expected_tokens"], plan["eta_s"], plan["state"])]
+        cp = run_cli("status", "--config", str(config), "--json", env=env)
+        assert cp.returncode == 0, cp.stderr
+        snap = json.loads(cp.stdout)
+        (row,), (splan,) = snap["datasets"], snap["plans"]
+        got.append(("status", row["remaining_tokens"], row["budget"]["expected_tokens"], row["eta_s"], splan["state"]))
+        registry = CollectorRegistry()
+        registry.register(FleetCollector(cfg, r))
+        samples = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
+                   for s in f.samples if s.labels.get("dataset") == "B3_magicoder"}
+        got.append(("metrics", samples["draftfleet_budget_left_tokens"], "-", samples.get("draftfleet_eta_seconds"),
+                    "-"))
+        return got
+
+    before = views()
+    print("\n" + "\n".join(map(str, before)))
+    assert before == [("plan", 280, 384, None, "full"), ("status", 280, 384, None, "full"), ("metrics", 280, "-", None, "-")]
+    # the worker's own admission of the task it takes next: its turns, the reservation, the verdict
+    task = next_task(r, "B3_magicoder")
+    assert answers(task) == 3 and ledger.reservation("B3_magicoder", 256, answers(task)) == 384
+    r.set(rk.claim("B3_magicoder", task.key), "w", ex=60)
+    assert ledger.admit("B3_magicoder", task.key, "w", 1000, ledger.reservation("B3_magicoder", 256, 3), 256 * 3) == REFUSED
+    assert views() == [("plan", 280, 384, None, "closed"), ("status", 280, 384, None, "closed"),
+                       ("metrics", 280, "-", None, "-")]

@@ -27,7 +27,7 @@ from kombu.exceptions import OperationalError
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
 from draftfleet.claims import Claims
-from draftfleet.conversation import conversation_record, history, runs, single_record
+from draftfleet.conversation import answers, conversation_record, history, runs, single_record
 from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
 from draftfleet.schemas.config import FleetConfig
@@ -395,7 +395,7 @@ def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1, turns
     budget = rt.budgets.get(task.dataset)
     if budget is None:
         return True
-    expected = max(1, rt.ledger.expected_tokens(task.dataset, task.settings.max_tokens * turns) * turns_left // turns)
+    expected = rt.ledger.reservation(task.dataset, task.settings.max_tokens, turns, turns_left)
     verdict = rt.ledger.admit(task.dataset, task.key, token, budget, expected, task.settings.max_tokens * turns_left)
     if verdict == ADMITTED:
         return True
@@ -504,7 +504,7 @@ def execute(task_self, payload: object) -> str:
         # finished by a twin between our check and claim (or unreadable: set aside, generated)
         if rt.store.has(task.dataset, task.key) and (done := _count_existing(rt, task, set_aside=True)):
             return done
-        turns, done = len(runs(task.messages)), _progress(rt, task)
+        turns, done = answers(task), _progress(rt, task)
         if not _admit(rt, task, token, turns - len(done), turns):
             if not done:
                 return "skipped"

@@ -10,13 +10,15 @@ from draftfleet.cli.common import (add_common, add_version, config_or_store, dat
                                    redis_client)
 
 
-def with_plans(args, cfg, invs) -> list:
-    """The inventories with their plans (the fleet's Redis for live figures, when it answers)."""
+def with_plans(args, cfg, inventory) -> list:
+    """The inventories (``inventory(r)``) with their plans (the fleet's Redis for live figures, when it answers)."""
     import msgspec
 
     from draftfleet.cli.plan import fleet_redis, plans
 
-    return [msgspec.structs.replace(inv, plan=p) for inv, p in zip(invs, plans(cfg, invs, fleet_redis(args, cfg)))]
+    r = fleet_redis(args, cfg)
+    invs = inventory(r)
+    return [msgspec.structs.replace(inv, plan=p) for inv, p in zip(invs, plans(cfg, invs, r))]
 
 
 def print_inventory(invs, store_alone: bool = False) -> None:
@@ -98,9 +100,9 @@ def cmd_inventory(args) -> int:
 
     cfg, root = config_or_store(args)
     try:
-        invs = with_plans(args, cfg, run_inventory(root, cfg, args.dataset, optional_tokenizer(args, cfg),
-                                                   args.roundtrip_sample, version=args.version,
-                                                   all_versions=args.all_versions, verify=args.verify))
+        invs = with_plans(args, cfg, lambda r: run_inventory(root, cfg, args.dataset, optional_tokenizer(args, cfg),
+                                                             args.roundtrip_sample, version=args.version,
+                                                             all_versions=args.all_versions, verify=args.verify, r=r))
     except VersionError as exc:
         err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
         return 1

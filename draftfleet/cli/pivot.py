@@ -14,7 +14,7 @@ def pivot_report(args, cfg, root, result, title: str, warnings: dict[str, str] |
 
     from draftfleet.views.inventory import run_inventory
 
-    inv = with_plans(args, cfg, run_inventory(root, cfg, result.datasets))
+    inv = with_plans(args, cfg, lambda r: run_inventory(root, cfg, result.datasets, r=r))
     warnings = warnings or {}
     if args.json:
         print(msgspec.json.encode({"drain": result, "inventory": inv, "warnings": warnings}).decode())
@@ -41,7 +41,7 @@ def dry_run(args) -> int:
     r = redis_client(args, cfg)
     names = dataset_names(args, cfg, root)
     other = "gpu" if args.to == "cloud" else "cloud"
-    inv = with_plans(args, cfg, run_inventory(root, cfg, names, None, 0))
+    inv = with_plans(args, cfg, lambda rd: run_inventory(root, cfg, names, None, 0, r=rd))
     warnings = idle_target(r, args.to, names)
     now = {d: sorted(kinds_for(r, d)) for d in names}
     running = claims_by_kind(r, names).get(other, 0)

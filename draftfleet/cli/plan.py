@@ -54,8 +54,8 @@ def cmd_plan(args) -> int:
     from draftfleet.views.plan import render_plans
 
     cfg, root = config_or_store(args)
-    invs = run_inventory(root, cfg, args.dataset, None, 0)
-    result = plans(cfg, invs, fleet_redis(args, cfg, start=True))
+    r = fleet_redis(args, cfg, start=True)
+    result = plans(cfg, run_inventory(root, cfg, args.dataset, None, 0, r=r), r)
     if args.json:
         print(msgspec.json.encode(result).decode())
     else:

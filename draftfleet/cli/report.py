@@ -11,6 +11,7 @@ def cmd_report(args) -> int:
     from draftfleet.assign import live_budgets
     from draftfleet.cli.plan import fleet_redis
     from draftfleet.ledger import Ledger
+    from draftfleet.queues import next_answers
     from draftfleet.store import Store
     from draftfleet.versions import VersionError, select
     from draftfleet.views.inventory import dataset_keys
@@ -44,6 +45,7 @@ def cmd_report(args) -> int:
             "plan": (lambda figures: plan_from_store(cfg, figures, r)) if current else None,
             "events_counts": Ledger(r).events(name) if r is not None else {},
             "prompt_keys": dataset_keys(ds, settings) if ds and settings else None, "selection": selection,
+            "answers": next_answers(r, name) if r is not None else 1,
         })
     path = write_report(args.out, build_report(store, sections))
     err.print(f"report: {path} ({len(sections)} dataset(s))", highlight=False)

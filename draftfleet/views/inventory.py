@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
+import redis
 
 from draftfleet.identity import prompt_key
 from draftfleet.producer.enqueue import prompt_messages
 from draftfleet.producer.readers import Rejection, read_prompts
+from draftfleet.queues import next_answers
 from draftfleet.schemas.config import DatasetConfig, FleetConfig
 from draftfleet.schemas.records import IMPORTED_BY, GenerationSettings, ResponseRecord
 from draftfleet.store import Store
@@ -237,11 +239,13 @@ def inventory_dataset(
     prompt_keys: set[str] | None = None,
     records: Selection | None = None,
     max_tokens: int | None = None,
+    answers: int = 1,
 ) -> DatasetInventory:
     """One dataset's inventory, of its current version's records unless ``records`` chooses
     (``versions.select``). Large stores are read by a process per core, split by file.
     ``max_tokens``: the dataset's as the fleet runs it (default its manifest's), for what admission
-    reserves for a prompt.
+    reserves for a prompt; ``answers``: the next queued task's (``queues.next_answers``), a
+    conversation's turns.
 
     ``prompt_keys`` (the keys of the dataset file's prompts) bound the cost to finish by the
     prompts left; without them only the budget bounds it.
@@ -311,7 +315,7 @@ def inventory_dataset(
     if max_tokens is None and (m := store.manifest(dataset)) is not None:
         max_tokens = m.settings.max_tokens
     use = budget_from_store(budget, tokens + sum(part.other_tokens for part in parts), store.paid_tokens(dataset),
-                            responses + sum(part.other_versions for part in parts), max_tokens)
+                            responses + sum(part.other_versions for part in parts), max_tokens, answers)
     remaining = use.left_tokens if use else None
     prompts_left = None
     if prompt_keys is not None:
@@ -363,10 +367,12 @@ def run_inventory(
     version: int | None = None,
     all_versions: bool = False,
     verify: bool = False,
+    r: redis.Redis | None = None,
 ) -> list[DatasetInventory]:
     """Inventory of each dataset (its current version, or ``version``, or ``all_versions``);
     budgets and prices from the config, else from the manifests. A version it lacks: VersionError.
-    ``verify``: read every hidden-state file of the latest capture version against its digest."""
+    ``verify``: read every hidden-state file of the latest capture version against its digest.
+    ``r``: the fleet's Redis, for the turns of each dataset's next queued task (admission's reservation)."""
     store = Store(store_root)
     names = datasets or (store.datasets() if cfg is None else [d.name for d in cfg.datasets])
     prices = {n: (c.price_input_per_mtok, c.price_output_per_mtok) for n, c in (cfg.clouds.items() if cfg else [])}
@@ -384,7 +390,8 @@ def run_inventory(
             budget = manifest.budget_tokens if manifest else None
         inv = inventory_dataset(store, name, budget=budget, prices=prices, tokenizer=tokenizer,
                                 roundtrip_sample=roundtrip_sample, processes=processes, prompt_keys=keys,
-                                records=chosen, max_tokens=max_tokens)
+                                records=chosen, max_tokens=max_tokens,
+                                answers=next_answers(r, name) if r is not None else 1)
         out.append(msgspec.structs.replace(inv, hidden_states=_hidden_inventory(store, inv, verify)))
     return out
 

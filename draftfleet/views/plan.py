@@ -37,7 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from draftfleet.assign import kinds_for
-from draftfleet.ledger import BudgetUse, Ledger, budget_use, expected_tokens
+from draftfleet.ledger import BudgetUse, Ledger, budget_use, reservation
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import WorkerReport
 
@@ -267,12 +267,14 @@ def plan_from_redis(cfg: FleetConfig, r: redis.Redis, dataset: str, *, budget: B
                         closed=ledger.closed_at(dataset) is not None if closed is None else closed)
 
 
-def budget_from_store(budget: int | None, stored: int, paid: int, responses: int, max_tokens: int | None) -> BudgetUse | None:
+def budget_from_store(budget: int | None, stored: int, paid: int, responses: int, max_tokens: int | None,
+                      turns: int = 1) -> BudgetUse | None:
     """A budget's use from a store's figures (``stored``: every version's record tokens, ``paid``:
-    ``Store.paid_tokens``), as the ledger counts it; None without a budget."""
+    ``Store.paid_tokens``; ``turns``: the next task's answers, ``queues.next_answers``), as the
+    ledger counts it; None without a budget."""
     if budget is None:
         return None
-    return budget_use(budget, stored, paid, expected_tokens(responses, stored, max_tokens or 1))
+    return budget_use(budget, stored, paid, reservation(responses, stored, max_tokens or 1, turns))
 
 
 def plan_from_inventory(cfg: FleetConfig | None, inv: DatasetInventory, r: redis.Redis | None) -> DatasetPlan:

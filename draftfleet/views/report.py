@@ -408,14 +408,14 @@ def _chart(title: str, svg: str | None, note: str = "") -> str:
 def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budget: int | None,
                     caps: dict[str, float | None], plan: Callable[[StoreFigures], DatasetPlan] | None,
                     events_counts: dict[str, int], prompt_keys: set[str] | None = None,
-                    selection: Selection | None = None) -> str:
+                    selection: Selection | None = None, answers: int = 1) -> str:
     """One dataset's part of the page: the records of ``selection`` (default its current version);
-    ``plan`` makes its plan from the figures read here."""
+    ``plan`` makes its plan from the figures read here; ``answers``: the next queued task's turns."""
     selection = selection or select(store, dataset)
     c = read_columns(store, dataset, selection=selection)
     total = sum(c.tokens)
     use = budget_from_store(budget, total + c.other_tokens, store.paid_tokens(dataset) if budget is not None else 0,
-                            len(c.tokens) + c.other_responses, max_tokens)
+                            len(c.tokens) + c.other_responses, max_tokens, answers)
     p = plan(store_figures(c, dataset, use, prompt_keys)) if plan is not None else None
     events = store.events(dataset)
     t0 = min([*c.at, *(e.at for e in events)], default=time.time())

@@ -22,7 +22,7 @@ from rich.text import Text
 from draftfleet import redis_keys as rk
 from draftfleet.assign import kinds_for, live_budgets, published
 from draftfleet.ledger import BudgetUse, Ledger
-from draftfleet.queues import depth, held
+from draftfleet.queues import depth, held, next_answers
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import WorkerReport
 from draftfleet.views.plan import DatasetPlan, plan_from_redis, render_plans, usd
@@ -145,7 +145,8 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
         done = sum(b.completion_tokens for b in backends)
         responses = sum(b.responses for b in backends)
         tps_10m = sum(b.tps_10m for b in backends)
-        use = None if budget is None else ledger.budget_use(dataset, budget, _max_tokens(cfg, settings, dataset))
+        use = None if budget is None else ledger.budget_use(dataset, budget, _max_tokens(cfg, settings, dataset),
+                                                            next_answers(r, dataset))
         queued, holds = depth(r, dataset), holding.get(dataset, 0)
         closed = ledger.closed_at(dataset) is not None
         events = ledger.events(dataset)
