@@ -33,7 +33,7 @@ from draftfleet.hidden import HiddenStore, TargetModel
 from draftfleet.producer.capture import queue_capture
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import Message, ResponseRecord, Usage
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.app import make_app
 from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
@@ -176,7 +176,7 @@ class _Fleet:
             fh.write(f'[capture]\nmodel_path = "{model}"\nstorage_path = "{storage}"\ninflight = {c}\n{extra}')
         self.config = config
         self.cfg = load_config(config)
-        self.store = Store(self.cfg.fleet.store)
+        self.store = open_store(self.cfg)
         self.store.prepare()
         for rec, _ids in units:
             self.store.put(rec)

@@ -20,7 +20,7 @@ from draftfleet.producer.enqueue import enqueue_dataset, prompt_messages
 from draftfleet.producer.readers import PromptRow, read_prompts
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import ResponseRecord, Usage
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 from draftfleet.workers.app import make_app
 
 from .env import Figure, PrivateRedis, Section, fresh_dir, ratio, write_config, write_prompts
@@ -83,7 +83,7 @@ def run(work: Path, *, prompts: int, repeats: int = 1) -> Section:
     with PrivateRedis(work / "redis") as redis:
         for _ in range(repeats):
             fresh_dir(Path(cfg.fleet.store))
-            store = Store(cfg.fleet.store)
+            store = open_store(cfg)
             held = fill_store(store, cfg)
             redis.client().flushall()
             # a Redis that kept its state: enqueue need not wait for workers to restore their claims

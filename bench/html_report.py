@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.views.inventory import run_inventory
 from draftfleet.views.plan import plan_from_store
@@ -24,7 +24,7 @@ def report(root: Path, dataset: str) -> str:
     """What ``draftfleet report --store ROOT`` does, in-process."""
     section = {"dataset": dataset, "max_tokens": 1200, "budget": 40_000_000, "caps": {},
                "plan": lambda figures: plan_from_store(None, figures, None), "events_counts": {}}
-    return build_report(Store(root), [section])
+    return build_report(open_store(root), [section])
 
 
 def run(work: Path, *, responses: int, mean_tokens: float, repeats: int = 3) -> Section:

@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 
 from draftfleet.schemas.records import Message, ResponseRecord, Usage
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.tokenizer import TargetTokenizer
 
 from .env import TOKENIZER, Figure, Section, fresh_dir, ratio
@@ -46,7 +46,7 @@ def build(folder: Path, dataset: str, responses: int, mean_tokens: float, tok: T
     sigma = 0.6
     mu = math.log(mean_tokens) - sigma * sigma / 2
     lengths = [max(4, min(len(stream) - 1, round(rng.lognormvariate(mu, sigma)))) for _ in range(responses)]
-    store = Store(folder / "store")
+    store = open_store(folder / "store")
     jsonl = folder / "raw_responses.jsonl"
     total = 0
     created: set[str] = set()
@@ -100,7 +100,7 @@ def seed_loop(jsonl: Path) -> tuple[int, int]:
 def store_read(root: Path, dataset: str) -> tuple[int, int]:
     """Every record of the store decoded into a validated ResponseRecord, on one core; responses, tokens."""
     count = tokens = 0
-    for path in Store(root).record_files(dataset):
+    for path in open_store(root).record_files(dataset):
         with open(path, "rb") as fh:
             rec = _decode(fh.read())
         tokens += rec.completion_tokens or len(rec.output_ids)
@@ -151,7 +151,7 @@ def run(work: Path, *, sizes: list[tuple[str, int, float]], repeats: int = 3) ->
         t_cat_jsonl, _ = best(lambda: _cat(f"cat '{jsonl}' > /dev/null"), repeats)
         t_cat_store, _ = best(lambda: _cat(f"find '{ds_dir}' -name '*.json' -print0 | xargs -0 cat > /dev/null"), repeats)
         assert got_read == got_seed == (n, total), (got_read, got_seed, n, total)
-        store_mib = sum(os.path.getsize(p) for p in Store(root).record_files(label)) / 2**20
+        store_mib = sum(os.path.getsize(p) for p in open_store(root).record_files(label)) / 2**20
         jsonl_mib = jsonl.stat().st_size / 2**20
         if got_inv is not None:
             assert got_inv == (n, total), (got_inv, n, total)

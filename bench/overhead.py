@@ -14,7 +14,7 @@ from pathlib import Path
 from draftfleet import redis_keys as rk
 from draftfleet.producer.enqueue import enqueue_dataset
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.workers.app import make_app
 
 from .env import EmulatorProcess, Figure, PrivateRedis, Section, WorkerProcess, cpu_seconds, fresh_dir, ratio, wait_for, write_config, write_prompts
@@ -41,7 +41,7 @@ def fleet(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
     config = write_config(folder, [{"name": DATASET, "path": str(prompts), "max_tokens": 64}],
                           emulator_url=emu.url, inflight=inflight)
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     app = make_app(redis.url, cfg.fleet.visibility_timeout_s)
     n = enqueue_dataset(cfg, cfg.dataset(DATASET), app, redis.client(), store).queued
     app.close()

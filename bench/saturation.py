@@ -26,7 +26,7 @@ import msgspec
 from draftfleet.producer.enqueue import enqueue_dataset
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import Message
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.app import make_app
 
@@ -127,7 +127,7 @@ def fleet(folder: Path, redis: PrivateRedis, url: str, prompts: Path, inflight: 
     settings = {"name": DATASET, "path": str(prompts), "max_tokens": MAX_TOKENS, **(dataset or {})}
     config = write_config(folder, [settings], emulator_url=url, inflight=inflight, engine=engine)
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     app = make_app(redis.url, cfg.fleet.visibility_timeout_s)
     with WorkerProcess(folder, config, redis.url, "--engine", engine, "--url", url, "--inflight", str(inflight)) as worker:
         worker.wait_ready()

@@ -26,7 +26,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 URL_FILE = "redis.url"
 STATE_DIR = "_redis"
@@ -154,7 +154,7 @@ class EmbeddedRedis:
 
     def ensure(self, timeout: float = 15.0) -> str:
         """Return the URL of this store's server, starting it if it is not running."""
-        Store(self.dir.parent).prepare()
+        open_store(self.dir.parent).prepare()
         url = self.running_url()
         if url:
             return url
@@ -255,6 +255,9 @@ def resolve_redis_url(explicit: str | None, configured: str | None, store: str |
             return wait_loaded(verified_tls(check_url(url, where)))
     if store is None:
         raise BrokerError("no Redis: pass --redis-url, set REDIS_URL, or give a store for the embedded server")
+    if str(store).startswith("s3://"):
+        raise BrokerError(f"a store in a bucket ({store}) has no embedded Redis: the machines that share the "
+                          "bucket share one Redis; pass --redis-url, set REDIS_URL or [fleet].redis_url")
     emb = EmbeddedRedis(Path(store) / STATE_DIR)
     if emb.running_url() is None:
         _started.append(emb)

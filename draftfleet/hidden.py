@@ -56,7 +56,7 @@ from draftfleet.conversation import record_turns
 from draftfleet.export import tokens
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import CONVERSATION, CaptureManifest, ResponseRecord, turn_name
-from draftfleet.store import Store, check_key, check_name, write_once
+from draftfleet.store import Store, StoreError, check_key, check_name, write_once
 from draftfleet.tokenizer import TargetTokenizer, TokenizerError
 
 HIDDEN_DIR = "_hidden"
@@ -154,7 +154,10 @@ def storage_path(cfg: FleetConfig) -> str:
 
 def check_storage(cfg: FleetConfig, storage: str | Path) -> None:
     """Refuse an engine storage folder on another file system than the store (its files are linked
-    into the store, never copied) unless ``[capture] copy``."""
+    into the store, never copied) unless ``[capture] copy``; refuse a store in a bucket for now."""
+    if cfg.fleet.store.startswith("s3://"):
+        raise CaptureError(f"capture to an s3:// store ({cfg.fleet.store}) is not supported yet: capture into a "
+                           "store folder ([fleet] store = a path)")
     folder = Path(storage)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -463,6 +466,9 @@ class HiddenStore:
     """The hidden-state files of a store, per dataset and capture version."""
 
     def __init__(self, store: Store):
+        if not store.local:
+            raise StoreError(f"captured hidden states in an s3:// store ({store.location}) are not supported yet: "
+                             "capture into a store folder ([fleet] store = a path)")
         self.store = store
         self.root = store.root / HIDDEN_DIR
 

@@ -83,9 +83,9 @@ class Reconciler:
         for key in keys:
             fig = self._cache.get((dataset, key))
             if fig is None:
-                path = self.store.path(dataset, key)
+                path = self.store.record_location(dataset, key)
                 try:
-                    fig = _figures.decode(path.read_bytes())
+                    fig = _figures.decode(self.store.record_bytes(dataset, key))
                 except (FileNotFoundError, msgspec.DecodeError) as exc:
                     if broken is None:
                         unreadable.append(f"{path}: {exc}")
@@ -99,17 +99,17 @@ class Reconciler:
             out[key] = fig
         return out
 
-    def _set_aside(self, dataset: str, key: str, unreadable: list[str]) -> Path | None:
+    def _set_aside(self, dataset: str, key: str, unreadable: list[str]) -> str | Path | None:
         """Move a broken record file aside, holding the key's claim so that no worker is writing
         the key meanwhile. A file that reads well by now is left alone."""
         claim = rk.claim(dataset, key)
         token = f"reconciler@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
-        path = self.store.path(dataset, key)
+        path = self.store.record_location(dataset, key)
         if not self.r.set(claim, token, nx=True, ex=SET_ASIDE_CLAIM_S):
             unreadable.append(f"{path}: unreadable; a worker holds the key, left to it")
             return None
         try:
-            self._cache[(dataset, key)] = _figures.decode(path.read_bytes())
+            self._cache[(dataset, key)] = _figures.decode(self.store.record_bytes(dataset, key))
             return None
         except (FileNotFoundError, msgspec.DecodeError):
             return self.store.set_aside(dataset, key)

@@ -1,4 +1,8 @@
-"""The object store: one JSON file per prompt key, the fleet's source of truth.
+"""The store: one JSON document per prompt key, the fleet's source of truth.
+
+``Store`` is what tasks, capture, views and exports use; ``open_store`` picks the kind from the
+``[fleet] store`` setting: a folder (``FileStore``, below, the default) or ``s3://bucket/prefix``
+(``ObjectStore``, draftfleet/objectstore.py), which keeps the same layout under its prefix.
 
 Layout under the root::
 
@@ -31,12 +35,17 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from draftfleet.schemas.config import NAME_RE
+
+if TYPE_CHECKING:
+    from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import (
     DatasetEvent,
     DatasetManifest,
@@ -197,11 +206,165 @@ def _lexists_at(dir_fd: int, name: str) -> bool:
     return True
 
 
-class Store:
+class Store(ABC):
+    """What the fleet keeps, wherever it keeps it: the same semantics in every kind.
+
+    Records are write-once (of two writers of a key exactly one wins, and only it counts the
+    record); manifests, failures and progress are replaced whole, atomically; the quarantine and
+    the decision log only grow. ``location`` names the store in messages; ``local`` says whether
+    its files are on this machine's file system (hidden-state capture needs that for now).
+    """
+
+    location: str
+    local: bool
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Make sure the store is the fleet's own (its marker) before anything is written to it."""
+
+    # -- responses -----------------------------------------------------------------------
+    @abstractmethod
+    def has(self, dataset: str, key: str) -> bool: ...
+
+    @abstractmethod
+    def _create(self, dataset: str, key: str, data: bytes) -> bool:
+        """Store a record's bytes unless the key has one: True if this call stored them."""
+
+    def put(self, record: ResponseRecord) -> bool:
+        """Write ``record`` once. True if this call stored it, False if the key already had one.
+
+        Storing a result clears the key's failure record: the prompt is finished."""
+        check_name(record.dataset)
+        check_key(record.key)
+        if not self._create(record.dataset, record.key, _encoder.encode(record)):
+            return False
+        self.clear_failure(record.dataset, record.key)
+        return True
+
+    @abstractmethod
+    def set_aside(self, dataset: str, key: str) -> str | Path | None:
+        """Move an unreadable record to ``_unreadable/`` so the key can be generated again; where
+        it went (None: nothing was there). Call it holding the key's claim."""
+
+    @abstractmethod
+    def record_bytes(self, dataset: str, key: str) -> bytes:
+        """A record's stored bytes (``FileNotFoundError`` when there are none)."""
+
+    @abstractmethod
+    def record_location(self, dataset: str, key: str) -> str:
+        """Where a record is, for messages."""
+
+    def get(self, dataset: str, key: str) -> ResponseRecord:
+        return _record_decoder.decode(self.record_bytes(dataset, key))
+
+    @abstractmethod
+    def record_files(self, dataset: str) -> list[str]:
+        """The names of every record (what ``read_many`` takes), unsorted."""
+
+    @abstractmethod
+    def read_many(self, names: Iterable[str]) -> Iterator[tuple[str, bytes | OSError]]:
+        """Each name's bytes, or the ``OSError`` that reading it raised, in order."""
+
+    def keys(self, dataset: str) -> set[str]:
+        """Every key with a stored result (names only; nothing is read)."""
+        return {n.rsplit("/", 1)[-1][:-5] for n in self.record_files(dataset)}
+
+    def records(self, dataset: str) -> Iterator[ResponseRecord]:
+        """Every record, by key; one that cannot be read raises."""
+        for name, data in self.read_many(sorted(self.record_files(dataset), key=lambda n: n.rsplit("/", 1)[-1])):
+            if isinstance(data, OSError):
+                raise data
+            yield _record_decoder.decode(data)
+
+    @abstractmethod
+    def datasets(self) -> list[str]: ...
+
+    # -- manifests, failures, progress ----------------------------------------------------
+    @abstractmethod
+    def manifest(self, dataset: str) -> DatasetManifest | None: ...
+
+    @abstractmethod
+    def write_manifest(self, manifest: DatasetManifest) -> None: ...
+
+    @abstractmethod
+    def put_failure(self, failure: FailureRecord) -> None: ...
+
+    @abstractmethod
+    def _failures(self, dataset: str) -> list[FailureRecord]: ...
+
+    def failures(self, dataset: str) -> list[FailureRecord]:
+        """Prompts whose retries ran out and that have no result (one stored since, by a twin or
+        before ``put`` cleared failures, is finished: not listed)."""
+        return [f for f in self._failures(dataset) if not self.has(dataset, f.key)]
+
+    @abstractmethod
+    def clear_failure(self, dataset: str, key: str) -> None: ...
+
+    @abstractmethod
+    def put_progress(self, progress: TurnProgress) -> None:
+        """Keep a conversation's completed turns (replaced atomically as each turn completes), so
+        that the worker that takes it up after a death or a retry starts at the next turn."""
+
+    @abstractmethod
+    def progress(self, dataset: str, key: str) -> TurnProgress | None:
+        """The completed turns kept for ``key``; None when there are none (or they cannot be read)."""
+
+    @abstractmethod
+    def clear_progress(self, dataset: str, key: str) -> None: ...
+
+    @abstractmethod
+    def progress_keys(self, dataset: str) -> set[str]: ...
+
+    # -- what only grows -----------------------------------------------------------------
+    @abstractmethod
+    def quarantine_location(self, dataset: str) -> str:
+        """Where the dataset's quarantined lines are, for messages."""
+
+    @abstractmethod
+    def quarantined(self, dataset: str) -> Iterator[QuarantineEntry]: ...
+
+    @abstractmethod
+    def quarantine(self, dataset: str, entries: list[QuarantineEntry]) -> None:
+        """Add rejects to the dataset's quarantine, every enqueue's and import's; a line rejected
+        again for the same reason (a re-run) is kept once; two enqueues at once lose nothing."""
+
+    @abstractmethod
+    def log(self, event: DatasetEvent) -> None:
+        """Add an operator's decision (a pivot, a drain, a budget) to the dataset's log; two
+        commands at once cannot lose each other's."""
+
+    @abstractmethod
+    def events(self, dataset: str) -> list[DatasetEvent]:
+        """The dataset's logged decisions, oldest first (an unreadable one is skipped)."""
+
+
+def open_store(where: FleetConfig | str | Path) -> Store:
+    """The store a config (its ``[fleet] store`` and ``[store.s3]``) or a location names: the one
+    way every command, worker, view and test opens it."""
+    options = None
+    if not isinstance(where, (str, Path)):
+        options, where = where.store.s3, where.fleet.store
+    if isinstance(where, str) and where.startswith("s3://"):
+        from draftfleet.objectstore import ObjectStore
+
+        return ObjectStore(where, options)
+    return FileStore(where)
+
+
+class FileStore(Store):
     """Object-keyed files under ``root``; safe to share between machines over NFS."""
+
+    local = True
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self.location = str(self.root)
+
+    def __getstate__(self):
+        return {"root": self.root}
+
+    def __setstate__(self, state):
+        self.__init__(state["root"])
 
     def prepare(self) -> None:
         """Make sure the root is the fleet's own before anything is written under it.
@@ -242,19 +405,12 @@ class Store:
         """Something is at the key's path (a dangling symlink too: ``link`` could not replace it)."""
         return os.path.lexists(self.path(dataset, key))
 
-    def put(self, record: ResponseRecord) -> bool:
-        """Write ``record`` once. True if this call stored it, False if the key already had one.
-
-        Storing a result clears the key's failure record: the prompt is finished."""
-        if not write_once(self.path(record.dataset, record.key), _encoder.encode(record)):
-            return False
-        self.clear_failure(record.dataset, record.key)
-        return True
+    def _create(self, dataset: str, key: str, data: bytes) -> bool:
+        return write_once(self.path(dataset, key), data)
 
     def set_aside(self, dataset: str, key: str) -> Path | None:
-        """Move an unreadable record (empty, corrupt, a dangling link) to ``_unreadable/`` so the
-        key can be generated again; the file is kept for a person to look at. Call it holding the
-        key's claim: a twin must not be writing the key meanwhile. None: nothing was there."""
+        """An empty, corrupt or dangling-link record file moved aside; the file is kept for a
+        person to look at."""
         src = self.path(dataset, key)
         dst = self.root / "_unreadable" / dataset / f"{key}.{time.time_ns()}.json"
         try:
@@ -266,8 +422,19 @@ class Store:
             raise StoreError(f"cannot move {src} aside: {_why(exc)}") from exc
         return dst
 
-    def get(self, dataset: str, key: str) -> ResponseRecord:
-        return _record_decoder.decode(self.path(dataset, key).read_bytes())
+    def record_bytes(self, dataset: str, key: str) -> bytes:
+        return self.path(dataset, key).read_bytes()
+
+    def record_location(self, dataset: str, key: str) -> str:
+        return str(self.path(dataset, key))
+
+    def read_many(self, names: Iterable[str]) -> Iterator[tuple[str, bytes | OSError]]:
+        for name in names:
+            try:
+                with open(name, "rb") as fh:
+                    yield name, fh.read()
+            except OSError as exc:
+                yield name, exc
 
     def record_files(self, dataset: str) -> list[str]:
         """Paths (as strings: cheaper than Path objects by the 100,000) of every record, unsorted."""
@@ -279,18 +446,6 @@ class Store:
             if shard.is_dir() and len(shard.name) == 2:
                 out.extend(e.path for e in os.scandir(shard.path) if e.name.endswith(".json") and not e.name.startswith("."))
         return out
-
-    def keys(self, dataset: str) -> set[str]:
-        """Every key with a stored result (file names only; nothing is parsed)."""
-        return {os.path.basename(p)[:-5] for p in self.record_files(dataset)}
-
-    def record_paths(self, dataset: str) -> list[Path]:
-        """Every record's path, sorted by key."""
-        return [Path(p) for p in sorted(self.record_files(dataset), key=os.path.basename)]
-
-    def records(self, dataset: str) -> Iterator[ResponseRecord]:
-        for p in self.record_paths(dataset):
-            yield _record_decoder.decode(p.read_bytes())
 
     def datasets(self) -> list[str]:
         if not self.root.is_dir():
@@ -325,14 +480,11 @@ class Store:
         except OSError as exc:
             raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
 
-    def failures(self, dataset: str) -> list[FailureRecord]:
-        """Prompts whose retries ran out and that have no result (one stored since, by a twin or
-        before ``put`` cleared failures, is finished: not listed)."""
+    def _failures(self, dataset: str) -> list[FailureRecord]:
         base = self.root / "_failures" / check_name(dataset)
         if not base.is_dir():
             return []
-        found = (_failure_decoder.decode(p.read_bytes()) for p in sorted(base.glob("*.json")))
-        return [f for f in found if not self.has(dataset, f.key)]
+        return [_failure_decoder.decode(p.read_bytes()) for p in sorted(base.glob("*.json"))]
 
     def clear_failure(self, dataset: str, key: str) -> None:
         self.failure_path(dataset, key).unlink(missing_ok=True)
@@ -342,8 +494,6 @@ class Store:
         return self.root / "_progress" / check_name(dataset) / f"{check_key(key)}.json"
 
     def put_progress(self, progress: TurnProgress) -> None:
-        """Keep a conversation's completed turns (replaced atomically as each turn completes), so
-        that the worker that takes it up after a death or a retry starts at the next turn."""
         final = self.progress_path(progress.dataset, progress.key)
         try:
             os.replace(_write_temp(final.parent, _encoder.encode(progress)), final)
@@ -351,7 +501,6 @@ class Store:
             raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
 
     def progress(self, dataset: str, key: str) -> TurnProgress | None:
-        """The completed turns kept for ``key``; None when there are none (or they cannot be read)."""
         try:
             return msgspec.json.decode(self.progress_path(dataset, key).read_bytes(), type=TurnProgress)
         except (FileNotFoundError, msgspec.DecodeError):
@@ -375,6 +524,9 @@ class Store:
     def quarantine_path(self, dataset: str) -> Path:
         return self.root / "_quarantine" / f"{check_name(dataset)}.jsonl"
 
+    def quarantine_location(self, dataset: str) -> str:
+        return str(self.quarantine_path(dataset))
+
     def quarantined(self, dataset: str) -> Iterator[QuarantineEntry]:
         """The dataset's quarantined lines, one at a time (the file can be large); a damaged line is skipped."""
         try:
@@ -389,8 +541,6 @@ class Store:
                     continue
 
     def quarantine(self, dataset: str, entries: list[QuarantineEntry]) -> None:
-        """Add rejects to the dataset's quarantine file, every enqueue's and import's; a line
-        rejected again for the same reason (a re-run) is kept once."""
         if not entries:
             return
         p = self.quarantine_path(dataset)
@@ -422,8 +572,7 @@ class Store:
         return self.root / "_log" / f"{check_name(dataset)}.jsonl"
 
     def log(self, event: DatasetEvent) -> None:
-        """Append an operator's decision (a pivot, a drain, a budget) to the dataset's log: one line,
-        appended, so that two commands at once cannot lose each other's."""
+        """One line, appended (``O_APPEND``)."""
         p = self.log_path(event.dataset)
         make_dirs(p.parent)
         fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, APPEND_MODE)
@@ -432,7 +581,6 @@ class Store:
             fh.write(_encoder.encode(event) + b"\n")
 
     def events(self, dataset: str) -> list[DatasetEvent]:
-        """The dataset's logged decisions, oldest first (an unreadable line is skipped)."""
         try:
             lines = self.log_path(dataset).read_bytes().splitlines()
         except FileNotFoundError:

@@ -193,7 +193,7 @@ def enqueue_dataset(
     summary.rejected = sum(kinds.values())
     summary.rejected_by_kind = dict(kinds)
     if rejects:
-        summary.quarantine_file = str(store.quarantine_path(ds.name))
+        summary.quarantine_file = store.quarantine_location(ds.name)
     if not summary.read:
         summary.error = no_rows(ds, kinds, rejects, summary.quarantine_file)
     return summary

@@ -52,6 +52,21 @@ class FleetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("reasoning_markers must be two non-empty strings")
 
 
+class StoreS3Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[store.s3]``: how to reach the bucket of an ``s3://bucket/prefix`` store. Each unset
+    value comes from boto3's usual sources (``AWS_ENDPOINT_URL``, ``AWS_REGION``); credentials
+    only from those (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, or ``profile``'s entry in
+    ``~/.aws/credentials``), never from this file."""
+
+    endpoint: str | None = None  # e.g. http://127.0.0.1:8333 (SeaweedFS), https://<account>.r2.cloudflarestorage.com
+    region: str | None = None
+    profile: str | None = None
+
+
+class StoreSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    s3: StoreS3Section = msgspec.field(default_factory=StoreS3Section)
+
+
 class FieldMap(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Which columns hold the prompt, for files whose shape is not detected on its own."""
 
@@ -203,6 +218,7 @@ class FleetConfig(msgspec.Struct, kw_only=True):
     clouds: dict[str, CloudBackend]
     path: str
     capture: CaptureSection = msgspec.field(default_factory=CaptureSection)
+    store: StoreSection = msgspec.field(default_factory=StoreSection)
 
     def dataset(self, name: str) -> DatasetConfig:
         for ds in self.datasets:
@@ -287,13 +303,13 @@ def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
     base = Path(path).resolve().parent
     if "fleet" not in data:
         raise ConfigError(f"{path}: missing [fleet] table")
-    unknown = set(data) - {"fleet", "datasets", "backends", "capture"}
+    unknown = set(data) - {"fleet", "datasets", "backends", "capture", "store"}
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s): {', '.join(sorted(unknown))}")
     fleet = _convert(data["fleet"], FleetSection, "fleet", path)
     fleet = msgspec.structs.replace(
         fleet,
-        store=_resolve(base, fleet.store),
+        store=fleet.store if fleet.store.startswith("s3://") else _resolve(base, fleet.store),
         tokenizer=_resolve(base, fleet.tokenizer) if fleet.tokenizer else None,
     )
     datasets = _convert(data.get("datasets", []), list[DatasetConfig], "datasets", path)
@@ -344,7 +360,8 @@ def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
         capture, model_path=_resolve(base, capture.model_path) if capture.model_path else None,
         storage_path=_resolve(base, capture.storage_path) if capture.storage_path else None)
     cfg = FleetConfig(fleet=fleet, datasets=datasets, sglang=engines["sglang"], vllm=engines["vllm"], clouds=clouds,
-                      path=str(Path(path)), capture=capture)
+                      path=str(Path(path)), capture=capture,
+                      store=_convert(data.get("store", {}), StoreSection, "store", path))
     if cfg.longest_task_s() >= fleet.visibility_timeout_s:
         raise ConfigError(
             f"{path}: fleet.visibility_timeout_s: {fleet.visibility_timeout_s}s is shorter than the longest "

@@ -20,7 +20,7 @@ import pytest
 from draftfleet import redis_keys as rk
 from draftfleet.producer.readers import EXCERPT_BYTES
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from .conftest import run_cli, write_config
 from .test_readers import BAD_LINES, write_parquet
@@ -71,7 +71,7 @@ def test_bad_input_corpus_through_enqueue(tmp_path, redis_server, tokenizer_dir)
     assert {n for n, s in summary.items() if s["error"]} == unusable
     for name in unusable:
         assert f"error: dataset '{name}': no usable row in {data / files[name]}" in res.stderr
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     r = redis_server.client()
 
     # the JSONL file: each bad line rejected by kind, every good line queued

@@ -13,7 +13,7 @@ from draftfleet.ledger import Ledger
 from draftfleet.queues import queued_keys
 from draftfleet.reconcile import Reconciler
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 
 from .conftest import run_cli, wait_until, write_config, write_jsonl
 from .test_fleet import KEY_ENV, _chat_rows, _enqueue
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 def _store_totals(store: Store, dataset: str) -> dict[str, list[int]]:
     """Responses and completion tokens per backend, summed straight from the files."""
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for path in store.record_paths(dataset):
-        rec = json.loads(path.read_bytes())
+    for _name, data in store.read_many(store.record_files(dataset)):
+        rec = json.loads(data)
         out[rec["backend"]][0] += 1
         out[rec["backend"]][1] += rec["completion_tokens"]
     return dict(out)
@@ -47,7 +47,7 @@ def test_budget_lands_within_one_percent(tmp_path, redis_server, tokenizer_dir, 
     wait_until(lambda: ledger.closed_at("ds") is not None, 90, 0.2, f"the budget to close\n{workers.logs()}")
     wait_until(lambda: not r.hlen(rk.reservations("ds")) and not list(r.scan_iter(rk.claim("ds", "*"))), 60, 0.2,
                "in-flight work to finish")
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     totals = _store_totals(store, "ds")
     total = sum(t for _, t in totals.values())
     assert abs(total - budget) <= 0.01 * budget, (total, totals)
@@ -73,7 +73,7 @@ def test_counters_survive_redeliveries_and_reconcile_corrects_drift(tmp_path, re
         r.lpush(rk.queue("ds"), raw)
     assert r.llen(rk.queue("ds")) == 60
     workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     wait_until(lambda: len(store.keys("ds")) == 30 and r.llen(rk.queue("ds")) == 0, 60, 0.2, workers.logs())
     wait_until(lambda: not list(r.scan_iter(rk.claim("ds", "*"))), 30, 0.2, "claims released")
     ledger = Ledger(r)
@@ -133,7 +133,7 @@ def test_inventory_import_resume_and_export_round_trip(tmp_path, redis_server, t
     summary = _enqueue(config, redis_server.url)[0]
     assert (summary["queued"], summary["already_done"]) == (16, 24)
     workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     wait_until(lambda: len(store.keys("b3")) == 40, 60, 0.2, workers.logs())
 
     # inventory equals totals computed here from the files
@@ -172,7 +172,7 @@ def test_inventory_import_resume_and_export_round_trip(tmp_path, redis_server, t
     assert json.loads(res.stdout)["imported"] == 40
     inv2 = run_inventory(load_config(config2).fleet.store)[0]
     assert (inv2.responses, inv2.completion_tokens) == (inv["responses"], inv["completion_tokens"])
-    assert store.keys("b3") == Store(load_config(config2).fleet.store).keys("b3")
+    assert store.keys("b3") == open_store(load_config(config2)).keys("b3")
 
 
 def test_spend_cap_stops_cloud_workers(tmp_path, redis_server, tokenizer_dir, emulator_factory, workers):
@@ -188,7 +188,7 @@ def test_spend_cap_stops_cloud_workers(tmp_path, redis_server, tokenizer_dir, em
     ledger = Ledger(r)
     wait_until(lambda: ledger.spend_usd("cloudy") >= 0.5, 60, 0.2, workers.logs())
     wait_until(lambda: not list(r.scan_iter(rk.claim("ds", "*"))), 30, 0.2, "in-flight requests to end")
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     stored = len(store.keys("ds"))
     # each response costs $0.05: the cap stops it after 10, plus at most the 2 in flight
     assert 10 <= stored <= 12 and ledger.spend_usd("cloudy") <= 0.5 + 2 * 0.05 + 1e-9

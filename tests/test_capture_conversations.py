@@ -22,7 +22,7 @@ from draftfleet.hidden import (CONVERSATION, HiddenStore, TargetModel, conversat
 from draftfleet.producer.capture import queue_capture
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import Turn, Usage
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.workers.app import make_app
 
 from tests.conftest import wait_until, write_config, write_jsonl
@@ -100,7 +100,7 @@ def test_conversations_captured_once_and_per_turn_and_exported_with_every_answer
         fh.write(f'\n[capture]\nmodel_path = "{model}"\nstorage_path = "{storage}"\n'
                  f'inflight = 2\n\n[backends.vllm]\nurls = ["{engine.url}"]\nrequest_timeout_s = 30.0\n')
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     from tests.test_fleet import _enqueue
 
     gen = workers.start(config, "gpu", "--engine", "sglang", "--url", emu.url, redis_url=redis_server.url)

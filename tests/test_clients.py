@@ -14,7 +14,7 @@ import pytest
 from draftfleet import redis_keys as rk
 from draftfleet.schemas.config import CloudBackend, SGLangBackend
 from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.workers.backends import Halt, Permanent, Transient
 from draftfleet.workers.cloud import CloudChat
 from draftfleet.workers.sglang import SGLangClient
@@ -179,7 +179,7 @@ def test_gpu_worker_refused_by_sglang_pauses_and_resumes_once_the_key_works(tmp_
         return None
 
     wait_until(lambda: paused() == "http_401", 30, 0.1, f"a pause\n{workers.logs()}")
-    store = Store(str(tmp_path / "store"))
+    store = open_store(str(tmp_path / "store"))
     assert not store.failures("ds") and not store.keys("ds")
     emu.update(sglang_api_key=SGLANG_KEY)
     t0 = time.monotonic()

@@ -26,7 +26,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.identity import prompt_key, settings_id
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import Message, PromptTask
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from .conftest import wait_until, write_config, write_jsonl
 from .test_fleet import KEY_ENV
@@ -45,7 +45,7 @@ def worker(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_fac
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p"}])
     cfg = load_config(write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url,
                                    datasets=[{"name": "ds", "path": str(data), "max_tokens": 16}]))
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     store.prepare()
     backend = CloudChat("cloudy", cfg.cloud("cloudy"), target_tokenizer, KEY_ENV["DRAFTFLEET_TEST_KEY"])
     app = make_app(redis_server.url, 3600)

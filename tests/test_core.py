@@ -12,7 +12,7 @@ from draftfleet.broker import EmbeddedRedis, redact
 from draftfleet.identity import prompt_key, settings_id
 from draftfleet.schemas.config import ConfigError, load_config, parse_config
 from draftfleet.schemas.records import GenerationSettings, Message, ResponseRecord, Usage
-from draftfleet.store import Store, StoreError
+from draftfleet.store import StoreError, open_store
 from draftfleet.tokenizer import TargetTokenizer
 
 BASE = {"fleet": {"store": "s", "model": "m"}, "datasets": [{"name": "a", "path": "a.jsonl"}]}
@@ -99,7 +99,7 @@ def _record(key: str, dataset: str = "ds", **over) -> ResponseRecord:
 
 class TestStore:
     def test_write_once_across_threads(self, tmp_path):
-        store = Store(tmp_path)
+        store = open_store(tmp_path)
         key = "ab" * 32
         results = []
         barrier = threading.Barrier(8)
@@ -121,17 +121,17 @@ class TestStore:
     @pytest.mark.parametrize("name", ["../x", "/etc", "a/b", "a\x00b", "..", "", ".hidden"])
     def test_dataset_names_cannot_escape(self, tmp_path, name):
         with pytest.raises(StoreError):
-            Store(tmp_path).path(name, "ab" * 32)
+            open_store(tmp_path).path(name, "ab" * 32)
 
     @pytest.mark.parametrize("key", ["../" + "a" * 61, "A" * 64, "a" * 63, "a" * 63 + "\x00"])
     def test_keys_must_be_hex(self, tmp_path, key):
         with pytest.raises(StoreError):
-            Store(tmp_path).path("ds", key)
+            open_store(tmp_path).path("ds", key)
 
     def test_unwritable_store_raises_store_error(self, tmp_path):
         (tmp_path / "ds").write_text("a file where a folder should be")
         with pytest.raises(StoreError, match="cannot write"):
-            Store(tmp_path).put(_record("cd" * 32))
+            open_store(tmp_path).put(_record("cd" * 32))
 
 
 class TestTokenizer:

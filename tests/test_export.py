@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 
 from tests.conftest import run_cli
 from tests.test_inventory import _rec
 
 
 def _store(tmp_path) -> Store:
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     for i in range(3):
         store.put(_rec(i, [5, 6, 7], dataset="alpha"))
     for i in range(2):

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from draftfleet.export import export_dataset
 from draftfleet.schemas.config import CloudBackend, SGLangBackend
 from draftfleet.schemas.records import GenerationSettings, Message, PromptTask, ResponseRecord
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Generation
 from draftfleet.workers.cloud import CloudChat
@@ -71,7 +71,7 @@ def fleet_records(tmp_path, emulator_factory, target_tokenizer):
     gpu = SGLangClient(emu.url, SGLangBackend(urls=[emu.url]), target_tokenizer, inflight=4)
     cloud = CloudChat("cloudy", CloudBackend(base_url=f"{emu.url}/v1", model="vendor/model", api_key_env="X"),
                       target_tokenizer, "k")
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     kinds = {}
     for i in range(40):
         system = [Message("system", "Be brief.")] if i % 2 else []
@@ -120,7 +120,7 @@ def test_thinking_models_reasoning_split_and_rendered(tmp_path, qwen3_tokenizer_
     tok = TargetTokenizer(str(qwen3_tokenizer_dir))
     truth = _plain_truth(qwen3_tokenizer_dir)
     hf = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir))
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     for i, (reasoning, content) in enumerate(ANSWERS[:2]):
         task = _task(i, [Message("user", f"question {i}")])
         ids = qwen3_model_ids(truth, reasoning, content)
@@ -143,7 +143,7 @@ def test_thinking_models_reasoning_split_and_rendered(tmp_path, qwen3_tokenizer_
 def test_kimi_k25_template_drops_reasoning_and_the_manifest_says_so(tmp_path, kimi_tokenizer_dir):
     tok = TargetTokenizer(str(kimi_tokenizer_dir), use_fast=False, trust_remote_code=True)
     truth = kimi_encoding(kimi_tokenizer_dir)
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     reasoning, content = ANSWERS[0]
     task = _task(0, [Message("system", "be brief"), Message("user", "sort a list")])
     ids = kimi_model_ids(truth, reasoning, content)
@@ -163,7 +163,7 @@ def test_kimi_k25_template_drops_reasoning_and_the_manifest_says_so(tmp_path, ki
 
 def test_cut_answers_left_out_of_conversations_kept_in_token_rows(tmp_path, target_tokenizer):
     tok = target_tokenizer
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     full = tok.encode_text("def f(x): return x") + [tok.eot_id]
     for i, ids, finish in [(0, full, "stop"), (1, full[:4], "length")]:
         task = _task(i, [Message("user", f"q {i}")])

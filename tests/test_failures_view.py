@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.views.failures import retry_verdict
 
 from .conftest import run_cli, wait_until, write_config, write_jsonl
@@ -46,7 +46,7 @@ def test_failures_shows_the_whole_reason_whether_a_retry_helps_and_the_quarantin
     env = {"REDIS_URL": redis_server.url, "COLUMNS": "80"}
     res = run_cli("enqueue", "--config", str(config), env=env)
     assert res.returncode == 0, res.stderr
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
     wait_until(lambda: len(store.keys("ds")) == 2 and len(store.failures("ds")) == 1, 90, 0.2, workers.logs())
 

@@ -25,7 +25,7 @@ from draftfleet.devtools.emulator import Emulator, EmulatorConfig
 from draftfleet.ledger import Ledger, micro_usd
 from draftfleet.queues import queued_keys
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 
 from .conftest import RedisServer, free_port, run_cli, wait_until, write_config, write_jsonl
 from .test_fleet import KEY_ENV, _enqueue
@@ -105,7 +105,7 @@ def _keys(config: Path) -> list[str]:
 
     cfg = load_config(config)
     ds = cfg.dataset("ds")
-    settings = Store(cfg.fleet.store).manifest("ds").settings
+    settings = open_store(cfg).manifest("ds").settings
     return [prompt_key("ds", prompt_messages(ds, row), settings) for row in read_prompts(ds) if isinstance(row, PromptRow)]
 
 
@@ -114,7 +114,7 @@ def _setup(tmp_path, tokenizer_dir, emu_url: str, n: int, **config) -> tuple[Pat
     max_tokens = config.pop("max_tokens", 64)
     path = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu_url,
                         datasets=[{"name": "ds", "path": str(data), "max_tokens": max_tokens}], **config)
-    return path, Store(load_config(path).fleet.store)
+    return path, open_store(load_config(path))
 
 
 def _start(workers, config, kind: str, name: str, redis_url: str, emu_url: str, *extra: str):
@@ -424,7 +424,7 @@ def test_store_gives_up_by_requeueing_and_says_why(tmp_path, monkeypatch, caplog
     monkeypatch.setattr(os, "link", no_space)
     monkeypatch.setattr(tasks.time, "sleep", lambda s: None)
     events = Counter()
-    rt = SimpleNamespace(store=Store(tmp_path), ledger=SimpleNamespace(event=lambda d, name: events.update([name])))
+    rt = SimpleNamespace(store=open_store(tmp_path), ledger=SimpleNamespace(event=lambda d, name: events.update([name])))
     with pytest.raises(Reject) as exc:
         tasks._store(rt, _record("ef" * 32))
     assert exc.value.requeue and "No space left on device" in str(exc.value.reason)

@@ -14,7 +14,7 @@ import pytest
 from draftfleet.ledger import Ledger
 from draftfleet.queues import depth
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 
 from .conftest import run_cli, wait_until, write_config, write_jsonl
 
@@ -66,7 +66,7 @@ def test_two_datasets_through_gpu_and_cloud_workers(tmp_path, redis_server, toke
     assert summary["chat"]["rejected_by_kind"] == {"bad_json": 1, "wrong_type": 1}
     assert summary["inst"]["queued"] == 30
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     wait_until(lambda: _store_count(store, ["chat", "inst"]) == 60, 90, 0.2, f"60 results\n{workers.logs()}")
 
     by_backend = Counter()
@@ -130,7 +130,7 @@ def test_resume_after_redis_lost_everything(tmp_path, redis_server, tokenizer_di
     second = _enqueue(config, redis_server.url)[0]
     assert (second["queued"], second["already_queued"]) == (0, 40)
 
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     gpu = workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
     wait_until(lambda: len(store.keys("ds")) >= 8, 60, 0.1, f"8 results\n{workers.logs()}")
     workers.stop(gpu)  # warm shutdown: what started finishes and is stored
@@ -156,7 +156,7 @@ def test_gpu_worker_keeps_inflight_requests_open(tmp_path, redis_server, tokeniz
                           datasets=[{"name": "ds", "path": str(data), "max_tokens": 64}])
     _enqueue(config, redis_server.url)
     workers.start(config, "gpu", "--url", emu.url, "--inflight", "16", redis_url=redis_server.url)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     wait_until(lambda: len(store.keys("ds")) == 48, 60, 0.2, f"48 results\n{workers.logs()}")
     stats = emu.stats()
     assert stats["max_concurrent_open"] == 16, stats
@@ -172,7 +172,7 @@ def test_length_is_kept_and_flagged_abort_is_retried(tmp_path, redis_server, tok
                           datasets=[{"name": "ds", "path": str(data), "max_tokens": 20}])
     _enqueue(config, redis_server.url)
     workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     wait_until(lambda: len(store.keys("ds")) == 30, 60, 0.2, f"30 results\n{workers.logs()}")
     records = list(store.records("ds"))
     truncated = [r for r in records if r.truncated]
@@ -198,7 +198,7 @@ def test_cloud_worker_stops_on_bad_key_and_resumes(tmp_path, redis_server, token
     _enqueue(config, redis_server.url)
     workers.start(config, "cloud", "--backend", "cloudy", redis_url=redis_server.url, env=KEY_ENV)
     wait_until(lambda: emu.stats()["unauthorized"] > 0, 30, 0.1, f"a 401\n{workers.logs()}")
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     r = redis_server.client()
     wait_until(lambda: depth(r, "ds") == 20, 15, 0.1, "every task back in the queue")
     assert not store.keys("ds") and not store.failures("ds")
@@ -232,7 +232,7 @@ def test_message_of_an_unknown_shape_is_dead_lettered(tmp_path, redis_server, to
     app.send_task(rk.TASK_NAME, args=[{"key": "../../etc/passwd", "dataset": "ds"}], queue=rk.queue("ds"))
     _enqueue(config, redis_server.url)
     workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     wait_until(lambda: len(store.keys("ds")) == 2, 30, 0.1, workers.logs())
     r = redis_server.client()
     wait_until(lambda: r.llen(rk.DEAD_LETTER) == 1, 10)

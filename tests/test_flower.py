@@ -215,9 +215,9 @@ def test_flower_task_rows_name_the_dataset_and_format_rejected(tmp_path, redis_s
     (body,) = redis_server.client().lrange("draftfleet.B3_magicoder", 0, -1)
     assert json.loads(body)["headers"]["argsrepr"] == "['B3_magicoder', 'prompts.jsonl:1']"
     from draftfleet.schemas.config import load_config
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
 
-    (event,) = Store(load_config(config).fleet.store).events("B3_magicoder")  # the budget it published, for the report
+    (event,) = open_store(load_config(config)).events("B3_magicoder")  # the budget it published, for the report
     assert (event.kind, event.budget_tokens, event.note) == ("budget", None, "enqueue")
 
     at = time.time()

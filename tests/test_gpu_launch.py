@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 
 from .conftest import REPO, wait_until, write_jsonl
 from .test_fleet import _chat_rows, _enqueue
@@ -104,7 +104,7 @@ def _run_on_two_gpus(tmp_path: Path, redis_server, config: Path, env: dict, flag
     parent = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", "gpu", "--config", str(config), *flags],
                               env={"REDIS_URL": redis_server.url, "PATH": "/usr/bin:/bin", **env}, stdout=log,
                               stderr=subprocess.STDOUT, cwd=REPO)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     try:
         r = redis_server.client()
         logs = lambda: (tmp_path / "workers.log").read_text(errors="replace")[-5000:]  # noqa: E731

@@ -19,7 +19,7 @@ import redis
 
 from draftfleet.broker import BrokerError, EmbeddedRedis
 from draftfleet import store as store_module
-from draftfleet.store import Store, StoreError
+from draftfleet.store import StoreError, open_store
 from tests.conftest import RedisServer, run_cli, write_config, write_jsonl
 
 OTHER_UID = 4242
@@ -140,20 +140,20 @@ class TestEmbeddedRedis:
 class TestStoreRoot:
     def test_a_file_system_root_is_refused(self):
         with pytest.raises(StoreError, match="a file-system root"):
-            Store("/").prepare()
+            open_store("/").prepare()
 
     def test_a_folder_with_foreign_content_is_refused(self, tmp_path):
         (tmp_path / "passwd").write_text("root:x:0:0\n")
         (tmp_path / "ssh").mkdir()
         with pytest.raises(StoreError, match=r"did not make \(passwd, ssh\)"):
-            Store(tmp_path).prepare()
+            open_store(tmp_path).prepare()
         assert not (tmp_path / store_module.MARKER).exists()
 
     def test_a_new_or_empty_folder_gets_the_marker(self, tmp_path):
-        Store(tmp_path / "new" / "store").prepare()
+        open_store(tmp_path / "new" / "store").prepare()
         assert (tmp_path / "new" / "store" / store_module.MARKER).is_file()
         (tmp_path / "empty").mkdir()
-        Store(tmp_path / "empty").prepare()
+        open_store(tmp_path / "empty").prepare()
         assert (tmp_path / "empty" / store_module.MARKER).is_file()
 
     def test_a_store_made_before_the_marker_is_recognised(self, tmp_path):
@@ -161,15 +161,15 @@ class TestStoreRoot:
         (tmp_path / "ds" / "manifest.json").write_text("{}")
         for name in ("_redis", "_failures", "_quarantine", "_state"):
             (tmp_path / name).mkdir()
-        Store(tmp_path).prepare()
+        open_store(tmp_path).prepare()
         assert (tmp_path / store_module.MARKER).is_file()
         (tmp_path / "foreign.txt").write_text("x")
-        Store(tmp_path).prepare()  # marked: whatever is added later is the operator's business
+        open_store(tmp_path).prepare()  # marked: whatever is added later is the operator's business
 
     def test_a_folder_without_manifest_is_not_a_dataset(self, tmp_path):
         (tmp_path / "etc").mkdir()
         with pytest.raises(StoreError, match=r"\(etc\)"):
-            Store(tmp_path).prepare()
+            open_store(tmp_path).prepare()
 
     def test_two_workers_preparing_a_new_store_together_both_start(self, tmp_path, monkeypatch):
         # Two workers started at once on a new store (CI's fault tests start a GPU and a cloud worker
@@ -353,7 +353,7 @@ def test_a_worker_runs_only_genuine_fleet_tasks(tmp_path, redis_server, tokenize
     r = redis_server.client()
     worker = workers.start(config, "cloud", "--backend", "cloudy", "--name", "strict",
                            redis_url=redis_server.url, env=CLOUD_ENV)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     from .conftest import wait_until
 
     wait_until(lambda: len(store.keys("ds")) == 3, 60, 0.2, f"3 results\n{workers.logs()}")

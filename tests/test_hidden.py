@@ -24,7 +24,7 @@ from draftfleet.hidden import (CaptureError, HiddenStore, TargetModel, bf16_to_f
                                read_safetensors)
 from draftfleet.producer.capture import queue_capture
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.workers.app import make_app
 
 from tests.conftest import REPO, run_cli, wait_until, write_config
@@ -84,7 +84,7 @@ def test_safetensors_written_here_read_by_the_safetensors_package(tmp_path):
 
 
 def test_write_once_per_unit(tmp_path):
-    hidden = HiddenStore(Store(tmp_path))
+    hidden = HiddenStore(open_store(tmp_path))
     key = "ab" * 32
     assert hidden.put("ds", 1, key, 0, b"first") and not hidden.put("ds", 1, key, 0, b"second")
     assert hidden.path("ds", 1, key, 0).read_bytes() == b"first" and hidden.put("ds", 1, key, 1, b"turn 1")
@@ -95,7 +95,7 @@ def _fleet(tmp_path, tokenizer_dir, hidden: int = 128):
     with open(config, "a") as fh:
         fh.write(f'\n[capture]\nmodel_path = "{_model(tmp_path / "model", hidden=hidden)}"\n')
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     for i in range(3):
         store.put(_record(f"{i:02x}" * 32, output_ids=[1, 2, 3, 4], prompt_tokens=6))
     return cfg, store
@@ -138,7 +138,7 @@ def test_bytes_per_token_and_the_projection_of_the_budget_left(tmp_path, tokeniz
     with open(config, "a") as fh:
         fh.write(f'\n[capture]\nmodel_path = "{_model(tmp_path / "model")}"\ndtype = "fp8"\n')
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     for i in range(3):  # 3 turns of 6 prompt + 4 answer tokens: 2.5 captured tokens per answer token
         store.put(_record(f"{i:02x}" * 32, output_ids=[1, 2, 3, 4], completion_tokens=4, prompt_tokens=6))
     r, app = redis_server.client(), make_app(redis_server.url, 3600)
@@ -298,7 +298,7 @@ def test_the_unit_metadata_goes_into_the_header_room_in_place(tmp_path):
 def test_a_linked_engine_file_is_stored_once_and_read_only(tmp_path):
     import stat
 
-    from draftfleet.store import link_once
+    from draftfleet.store import link_once, open_store
 
     old = os.umask(0o002)
     try:
@@ -475,7 +475,7 @@ def _capture_fleet(tmp_path, tokenizer_dir, engine_url: str, storage, outputs: l
         fh.write(f'\n[capture]\nmodel_path = "{model}"\nstorage_path = "{storage}"\ninflight = 2\n'
                  f'\n[backends.vllm]\nurls = ["{engine_url}"]\nrequest_timeout_s = 30.0\n')
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     store.prepare()
     for i, out in enumerate(outputs):
         _put_record(store, i, out)
@@ -695,7 +695,7 @@ def test_store_modes_do_not_follow_the_umask_and_stored_files_are_read_only(tmp_
 
     old = os.umask(0o002)  # a group-shared umask: folders 0775 and files 0664 unless the fleet says otherwise
     try:
-        store = Store(tmp_path / "store")
+        store = open_store(tmp_path / "store")
         store.prepare()
         key = "ab" * 32
         store.put(_record(key))
@@ -735,7 +735,7 @@ def test_every_hidden_state_export_states_its_layers_in_each_trainers_numbering(
     from draftfleet.export.features import export_features
     from draftfleet.schemas.records import CaptureManifest
 
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     store.prepare()
     key = "ab" * 32
     store.put(_record(key, output_ids=[1, 2]))

@@ -11,7 +11,7 @@ from draftfleet.identity import settings_id
 from draftfleet.producer.importer import import_file
 from draftfleet.schemas.config import DatasetConfig
 from draftfleet.schemas.records import DatasetManifest
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from tests.conftest import run_cli, write_config, write_jsonl
 
@@ -47,7 +47,7 @@ def test_finish_rule_decides_lines_without_finish_reason(tmp_path, target_tokeni
     tok = target_tokenizer
     ds, manifest = _setup(tmp_path)
     raw = write_jsonl(tmp_path / "raw.jsonl", _lines(tok))
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     summary = import_file(raw, ds, manifest, store, tok, finish_rule=rule)
     assert summary.imported == 5 and summary.finish_rule == rule
     by_source = {r.source: r for r in store.records("ds")}

@@ -15,7 +15,7 @@ from draftfleet.identity import settings_id
 from draftfleet.producer.importer import import_file
 from draftfleet.schemas.config import DatasetConfig
 from draftfleet.schemas.records import DatasetManifest, QuarantineEntry
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 from draftfleet.tokenizer import TargetTokenizer, TemplateError
 
 from .conftest import run_cli, write_config, write_jsonl
@@ -44,7 +44,7 @@ def _setup(tmp_path):
     settings = ds.settings("test/chatml")
     manifest = DatasetManifest(name="ds", version=1, settings=settings, settings_id=settings_id(settings),
                                budget_tokens=None, created_at=time.time())
-    return ds, manifest, Store(tmp_path / "store")
+    return ds, manifest, open_store(tmp_path / "store")
 
 
 def _quarantined(store: Store) -> list[QuarantineEntry]:

@@ -11,7 +11,7 @@ import msgspec
 from draftfleet.identity import prompt_key
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import Message, ResponseRecord, Usage
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from tests.conftest import run_cli, write_config, write_jsonl
 
@@ -47,7 +47,7 @@ def test_raw_export_then_import_gives_back_the_records(tmp_path, tokenizer_dir, 
     datasets = [{"name": "rt", "path": str(data), "max_tokens": 100}]
     config = write_config(tmp_path / "a", tokenizer=tokenizer_dir, datasets=datasets)
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     # the dataset's manifest, as enqueue writes it, gives the settings id the records carry
     from draftfleet.producer.enqueue import check_manifest
 
@@ -67,7 +67,7 @@ def test_raw_export_then_import_gives_back_the_records(tmp_path, tokenizer_dir, 
     summary = json.loads(res.stdout)
     assert (summary["imported"], summary["exact"], summary["retokenized"]) == (2, 1, 1)
 
-    fresh = Store(load_config(config2).fleet.store)
+    fresh = open_store(load_config(config2))
     for rec in originals:
         back = fresh.get("rt", rec.key)
         want, got = msgspec.to_builtins(rec), msgspec.to_builtins(back)
@@ -85,6 +85,6 @@ def test_text_only_line_is_retokenized_whatever_it_claims(tmp_path, tokenizer_di
     raw = write_jsonl(tmp_path / "raw.jsonl", [line])
     res = run_cli("import", str(raw), "--config", str(config), "--dataset", "rt", "--json")
     assert res.returncode == 0, res.stderr
-    (rec,) = Store(load_config(config).fleet.store).records("rt")
+    (rec,) = open_store(load_config(config)).records("rt")
     assert (rec.token_source, rec.backend, rec.backend_kind, rec.source) == ("retokenized", "sglang", "gpu",
                                                                              "orig.jsonl:7")

@@ -226,10 +226,10 @@ def test_the_inventory_table_fits_without_cutting_a_header(tmp_path, width):
 
     from draftfleet.cli import inventory as cli_inventory
     from draftfleet.schemas.records import Message, ResponseRecord, Usage
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
     from draftfleet.views.inventory import run_inventory
 
-    store = Store(tmp_path)
+    store = open_store(tmp_path)
     for i, (backend, source) in enumerate([("openrouter", "retokenized"), ("sglang", "exact")] * 3):
         store.put(ResponseRecord(
             key=f"{i:064x}", dataset="B3_magicoder", source=f"f.jsonl:{i}", settings_id="s",

@@ -9,7 +9,7 @@ import pytest
 
 from draftfleet.views.inventory import run_inventory
 from draftfleet.schemas.records import Message, ResponseRecord, Usage
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 
 def _rec(i: int, ids: list[int], *, finish="stop", prompt=None, source="exact", backend="sglang",
@@ -27,7 +27,7 @@ def _rec(i: int, ids: list[int], *, finish="stop", prompt=None, source="exact", 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_validation_counts_each_problem(tmp_path, target_tokenizer, processes):
     tok = target_tokenizer
-    store = Store(tmp_path)
+    store = open_store(tmp_path)
     good = tok.encode_text("def f(x): return x") + [tok.eot_id]
     records = [_rec(i, good) for i in range(10)]
     records += [
@@ -55,7 +55,7 @@ def test_validation_counts_each_problem(tmp_path, target_tokenizer, processes):
 def test_store_alone_reads_budgets_from_manifests(tmp_path):
     from draftfleet.schemas.records import DatasetManifest, GenerationSettings
 
-    store = Store(tmp_path)
+    store = open_store(tmp_path)
     settings = GenerationSettings(model="m", max_tokens=10, temperature=0.0, top_p=1.0)
     store.write_manifest(DatasetManifest(name="ds", version=1, settings=settings, settings_id="s",
                                          budget_tokens=1000, created_at=time.time()))
@@ -73,7 +73,7 @@ def test_store_alone_shows_no_share_done(tmp_path):
     from draftfleet.schemas.records import DatasetManifest, GenerationSettings
     from tests.conftest import run_cli
 
-    store = Store(tmp_path)
+    store = open_store(tmp_path)
     settings = GenerationSettings(model="m", max_tokens=100, temperature=0.0, top_p=1.0)
     sid = settings_id(settings)
     store.write_manifest(DatasetManifest(name="ds", version=1, settings=settings, settings_id=sid,
@@ -92,7 +92,7 @@ def test_provider_count_beside_ours_per_backend(tmp_path, redis_server):
     completion_tokens; the inventory shows both and the difference, per backend."""
     from draftfleet.ledger import Ledger
 
-    store = Store(tmp_path)
+    store = open_store(tmp_path)
     recs = [_rec(i, [5] * 10, source="retokenized", backend="cloudy", usage=Usage(completion_tokens=8))
             for i in range(3)]
     recs.append(_rec(3, [5] * 10, source="retokenized", backend="cloudy"))  # the provider said nothing
@@ -117,7 +117,7 @@ def test_roundtrip_figure_is_named_and_explained(tmp_path, target_tokenizer, tok
     from tests.conftest import run_cli
 
     tok = target_tokenizer
-    store = Store(tmp_path)
+    store = open_store(tmp_path)
     good = tok.encode_text("def f(x): return x") + [tok.eot_id]
     natural = tok.encode_text("def return")
     split_ids = tok.encode_text("d") + tok.encode_text("ef return")  # ids no tokenizer would make
@@ -148,7 +148,7 @@ def test_cost_to_finish_is_zero_when_no_prompts_remain(tmp_path, tokenizer_dir):
                           datasets=[{"name": "ds", "path": str(data), "max_tokens": 100, "budget_tokens": 100000}])
     cfg = load_config(config)
     settings = cfg.dataset("ds").settings(cfg.fleet.model)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
 
     def put(i):
         msgs = [Message(role="user", content=f"q{i}")]

@@ -15,7 +15,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.ledger import WAIT, Ledger
 from draftfleet.schemas.config import load_config
 from draftfleet.views.status import snapshot
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 
 from .conftest import free_port, run_cli, wait_until, write_config, write_jsonl
 from .test_fleet import KEY_ENV, _chat_rows, _enqueue
@@ -41,7 +41,7 @@ def test_budget_lowered_then_raised_while_the_worker_runs(tmp_path, redis_server
                             datasets=[{"name": "ds", "path": str(data), "max_tokens": 64, "budget_tokens": budget}])
 
     path = config(1_000_000)
-    store = Store(load_config(path).fleet.store)
+    store = open_store(load_config(path))
     r = redis_server.client()
     ledger = Ledger(r)
     worker = workers.start(path, "gpu", "--url", emu.url, redis_url=redis_server.url)
@@ -81,7 +81,7 @@ def test_a_dataset_added_while_the_fleet_runs_is_followed(tmp_path, redis_server
     before = load_config(path)  # what a `status --watch` started now holds for its whole run
     old = tmp_path / "old.toml"
     old.write_text(path.read_text())
-    store = Store(before.fleet.store)
+    store = open_store(before)
     r = redis_server.client()
     port = free_port()
     workers.start(path, "gpu", "--url", emu.url, redis_url=redis_server.url)  # follows every dataset
@@ -125,7 +125,7 @@ def test_waiting_for_admission_holds_no_slot(tmp_path, redis_server, tokenizer_d
          "budget_tokens": 1000}
     b = {"name": "b", "path": str(write_jsonl(tmp_path / "b.jsonl", _chat_rows(12, tag="b"))), "max_tokens": 64}
     path = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url, inflight=2, datasets=[a, b])
-    store = Store(load_config(path).fleet.store)
+    store = open_store(load_config(path))
     r = redis_server.client()
     ledger = Ledger(r)
     _enqueue(path, redis_server.url)

@@ -12,7 +12,7 @@ import pytest
 
 from draftfleet.ledger import Ledger
 from draftfleet.queues import depth
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from .conftest import run_cli, wait_until, write_config, write_jsonl
 
@@ -43,7 +43,7 @@ def test_two_machines_share_one_redis_and_one_store(tmp_path, redis_server, toke
                       redis_url=redis_server.url, cwd=home,
                       env={"HOME": str(home), "TMPDIR": str(home / "tmp"), "XDG_CACHE_HOME": str(home / "cache")})
 
-    store = Store(shared_store)
+    store = open_store(shared_store)
     wait_until(lambda: len(store.keys("ds")) == N, 90, 0.2, f"{N} results\n{workers.logs()}")
     r = redis_server.client()
     wait_until(lambda: depth(r, "ds") == 0, 15, 0.1, "an empty queue")

@@ -18,7 +18,7 @@ from draftfleet.identity import prompt_key, settings_id, task_problem
 from draftfleet.producer.readers import read_prompts
 from draftfleet.schemas.config import DatasetConfig, load_config
 from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 
 from . import specforge_render as sf
 from .conftest import run_cli, wait_until, write_config, write_jsonl
@@ -123,7 +123,7 @@ def test_multiturn_dataset_end_to_end_on_gpu_and_cloud_with_a_pivot(tmp_path, re
     r = redis_server.client()
     wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 2, 60, 0.1, workers.logs())
     assert _enqueue(config, redis_server.url)[0]["queued"] == 40
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     wait_until(lambda: len(store.keys("ds")) >= 10, 90, 0.1, workers.logs())
     env = {"REDIS_URL": redis_server.url}
     res = run_cli("pivot", "--config", str(config), "--dataset", "ds", "--to", "cloud", "--json", env=env)
@@ -183,7 +183,7 @@ def test_multiturn_dataset_end_to_end_on_gpu_and_cloud_with_a_pivot(tmp_path, re
                   env={"REDIS_URL": redis_server.url})
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["imported"] == 40
-    imported = {rec.key: rec for rec in Store(again / "store").records("ds")}
+    imported = {rec.key: rec for rec in open_store(again / "store").records("ds")}
     assert {k: (r.turns, r.row_id) for k, r in imported.items()} == {k: (r.turns, r.row_id) for k, r in records.items()}
 
 
@@ -205,7 +205,7 @@ def test_completed_turns_survive_a_killed_worker(tmp_path, redis_server, tokeniz
     r = redis_server.client()
     wait_until(lambda: len(list(r.scan_iter("draftfleet:worker:*"))) == 1, 60, 0.1, workers.logs())
     _enqueue(config, redis_server.url)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     progress = store.root / "_progress" / "ds"
     wait_until(lambda: len(list(progress.glob("[!.]*.json"))) >= 3, 60, 0.05, workers.logs())
     gpu.send_signal(signal.SIGKILL)
@@ -244,11 +244,11 @@ def conversation_worker(tmp_path, redis_server, tokenizer_dir, target_tokenizer,
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "unused"}])
     cfg = load_config(write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url, datasets=[
         {"name": "ds", "path": str(data), "max_tokens": 64, "turns": "all", "budget_tokens": 1_000_000}]))
-    Store(cfg.fleet.store).prepare()
+    open_store(cfg).prepare()
     backend = CloudChat("cloudy", cfg.cloud("cloudy"), target_tokenizer, KEY_ENV["DRAFTFLEET_TEST_KEY"])
     app = make_app(redis_server.url, 3600)
     tasks.register(app)
-    rt = tasks.Runtime(app, cfg, Store(cfg.fleet.store), redis_server.client(), backend, "conv@test", ["ds"], 1.0)
+    rt = tasks.Runtime(app, cfg, open_store(cfg), redis_server.client(), backend, "conv@test", ["ds"], 1.0)
     tasks.install(rt)
     settings = cfg.dataset("ds").settings(cfg.fleet.model)
     messages = [Message("user", "turn a"), Message("assistant", ""), Message("user", "turn b"),

@@ -16,7 +16,7 @@ from draftfleet.conversation import runs
 from draftfleet.ledger import Ledger
 from draftfleet.reconcile import Reconciler
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from .conftest import wait_until, write_config, write_jsonl
 from .test_fleet import KEY_ENV, _enqueue
@@ -53,7 +53,7 @@ def test_a_conversation_the_budget_stops_keeps_its_turns_and_goes_on_when_the_bu
     wait_until(lambda: list(r.scan_iter(rk.worker_report("*"))), 60, 0.1, workers.logs())
     assert _enqueue(config, redis_server.url)[0]["queued"] == CONVERSATIONS
     ledger = Ledger(r)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
 
     def settled(what: str) -> None:
         wait_until(lambda: r.llen(rk.queue("ds")) == 0 and not r.hlen(rk.UNACKED)

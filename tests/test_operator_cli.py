@@ -16,7 +16,7 @@ from draftfleet import broker
 from draftfleet.broker import STATE_DIR, EmbeddedRedis, unreachable
 from draftfleet.cli import build_parser
 from draftfleet.schemas.records import DatasetManifest, GenerationSettings
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from tests.conftest import REPO, free_port, run_cli, wait_until, write_config, write_jsonl
 
@@ -99,7 +99,7 @@ def test_one_shot_commands_stop_the_private_redis_they_started(tmp_path, tokeniz
     store = tmp_path / "store"
     emb = EmbeddedRedis(store / STATE_DIR)
     settings = GenerationSettings(model="m", max_tokens=8, temperature=0.0, top_p=1.0)
-    Store(store).write_manifest(DatasetManifest(name="ds", version=1, settings=settings, settings_id="s",
+    open_store(store).write_manifest(DatasetManifest(name="ds", version=1, settings=settings, settings_id="s",
                                                 budget_tokens=None, created_at=time.time()))
     for args in (["status", "--config", str(config)], ["reconcile", "--config", str(config)],
                  ["reconcile", "--store", str(store)], ["failures", "--store", str(store)],
@@ -215,7 +215,7 @@ def test_worker_logs_one_line_per_prompt_and_no_traceback_for_pauses(tmp_path, t
     paused_log = workers.logs(tail=None)
     assert "Traceback" not in paused_log and "a-wrong-key" not in paused_log
     workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     wait_until(lambda: len(store.keys("ds")) == 5, 60, 0.2, workers.logs())
     time.sleep(0.5)
     log = workers.logs(tail=None)[len(paused_log):]

@@ -12,7 +12,7 @@ import pytest
 from draftfleet import redis_keys as rk
 from draftfleet.assign import kinds_for
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from .conftest import free_port, run_cli, wait_until, write_config, write_jsonl
 from .test_fleet import KEY_ENV, _chat_rows, _enqueue
@@ -40,7 +40,7 @@ def test_pivot_mid_run_loses_nothing_and_gpu_takes_nothing_after(tmp_path, redis
     emu, config, gpu = _two_workers(tmp_path, redis_server, tokenizer_dir, emulator_factory, workers)
     env = {"REDIS_URL": redis_server.url}
     _enqueue(config, redis_server.url)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     wait_until(lambda: len(store.keys("ds")) >= 20, 60, 0.1, workers.logs())
 
     res = run_cli("pivot", "--config", str(config), "--dataset", "ds", "--to", "cloud", "--json", env=env)
@@ -129,7 +129,7 @@ def test_reconciler_worker_serves_metrics(tmp_path, redis_server, tokenizer_dir,
                           datasets=[{"name": "ds", "path": str(data), "max_tokens": 64}])
     _enqueue(config, redis_server.url)
     workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     wait_until(lambda: len(store.keys("ds")) == 10, 60, 0.2, workers.logs())
     r = redis_server.client()
     r.hincrby(rk.totals("ds", "sglang"), "completion_tokens", 999)  # drift for the periodic task to fix

@@ -21,7 +21,7 @@ from draftfleet.producer.readers import read_prompts
 from draftfleet.queues import next_task
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import Message, ResponseRecord, Turn, TurnProgress, Usage, WorkerReport
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.views.metrics import FleetCollector
 from draftfleet.views.plan import BackendMeasure, budget_from_store, plan_dataset
 from draftfleet.views.status import render, snapshot
@@ -94,7 +94,7 @@ def test_plan_reproduces_the_seeds_arithmetic(tmp_path, redis_server, tokenizer_
     GPUs, ~$10.6 on the cloud (configured price: nothing measured there yet)."""
     config = seed_config(tmp_path, tokenizer_dir)
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     for rec in seed_records(cfg, ended_at=time.time() - 3600):  # stopped an hour ago: the window is empty
         assert store.put(rec)
     cp = run_cli("plan", "--config", str(config), "--redis-url", redis_server.url, "--json")
@@ -172,7 +172,7 @@ def test_a_cloud_without_a_price_is_shown_not_priced(tmp_path):
     alone): the plan says "no price" (the table raised a TypeError formatting the missing price)."""
     from tests.test_inventory import _rec
 
-    store = Store(tmp_path)
+    store = open_store(tmp_path)
     for i in range(3):
         assert store.put(_rec(i, [5] * 100, source="retokenized", backend="cloudy"))
     cp = run_cli("inventory", "--store", str(tmp_path), env={"COLUMNS": "200"})
@@ -261,7 +261,7 @@ def test_pivot_warns_when_no_live_worker_of_the_target_kind(tmp_path, redis_serv
     assert cp.returncode == 0, cp.stderr
     assert "cloud-0 paused: payment_required" in " ".join(cp.stderr.split())
     assert {m.decode() for m in r.smembers(rk.assignment("B3_magicoder"))} == {"cloud"}
-    (event,) = Store(load_config(config).fleet.store).events("B3_magicoder")  # the report marks it on its timelines
+    (event,) = open_store(load_config(config)).events("B3_magicoder")  # the report marks it on its timelines
     assert (event.kind, event.assigned, event.note) == ("assign", ["cloud"], "pivot")
 
     _report(r, "cloud-0", "cloud", "openrouter", ["B3_magicoder"])
@@ -276,7 +276,7 @@ def test_imported_records_are_no_backends_rate(tmp_path, redis_server):
 
     r = redis_server.client()
     ledger = Ledger(r)
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     now = time.time()
     recs = [record(f"{i:064x}", "B3", 3288, created_at=now, latency_s=0.0, worker="import") for i in range(20)]
     for rec in recs[:10]:
@@ -310,7 +310,7 @@ def test_paid_turns_are_spent_in_every_view_as_admission_counts_them(tmp_path, r
     980 left and an ETA). Once admission has refused, they say closed, 80 left."""
     config = seed_config(tmp_path, tokenizer_dir, prompts=50, budget=1000, max_tokens=256, extra='turns = "all"')
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     r = redis_server.client()
     ledger, now = Ledger(r), time.time()
     rec = record(f"{1:064x}", "B3_magicoder", 20, backend="openrouter", kind="cloud", created_at=now - 60, latency_s=2.0,

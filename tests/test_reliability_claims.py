@@ -17,7 +17,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.identity import prompt_key, settings_id
 from draftfleet.schemas.config import MAX_RETRY_WAIT_S, load_config
 from draftfleet.schemas.records import Message, PromptTask
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from .conftest import run_cli, wait_until, write_config, write_jsonl
 from .test_faults import _events, _setup, _start, _workers_up, assert_exactly_once
@@ -64,7 +64,7 @@ def runtime(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_fa
     backend = CloudChat("cloudy", cfg.cloud("cloudy"), target_tokenizer, KEY)
     app = make_app(redis_server.url, 3600)
     tasks.register(app)
-    rt = tasks.Runtime(app, cfg, Store(cfg.fleet.store), redis_server.client(), backend, "claims@test", ["ds"], 1.0)
+    rt = tasks.Runtime(app, cfg, open_store(cfg), redis_server.client(), backend, "claims@test", ["ds"], 1.0)
     tasks.install(rt)
     settings = cfg.dataset("ds").settings(cfg.fleet.model)
 
@@ -264,7 +264,7 @@ def test_a_full_disk_stores_nothing_acks_nothing_then_recovers(tmp_path, small_f
     config, _ = _setup(tmp_path, tokenizer_dir, emu.url, 6, fleet_extra="")
     text = config.read_text().replace(f'store = "{tmp_path / "store"}"', f'store = "{small_fs / "store"}"')
     config.write_text(text)
-    store = Store(small_fs / "store")
+    store = open_store(small_fs / "store")
     r = redis_server.client()
     _enqueue(config, redis_server.url)
     filler = small_fs / "filler"

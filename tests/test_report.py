@@ -18,7 +18,7 @@ from draftfleet.schemas.config import load_config
 from draftfleet.identity import settings_id
 from draftfleet.schemas.records import (CaptureManifest, DatasetEvent, DatasetManifest, FailureRecord, PromptTask,
                                         QuarantineEntry)
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.views.report import TimeAxis
 
 from tests.conftest import run_cli
@@ -33,7 +33,7 @@ def pivoted_store(tmp_path, tokenizer_dir):
     them cut at max_tokens (the trial's spike); a failure and two quarantined lines."""
     config = seed_config(tmp_path, tokenizer_dir)
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     pivot_at = time.time() - 2 * 3600
     store.log(DatasetEvent(at=pivot_at - 64_000, dataset="B3_magicoder", kind="budget", budget_tokens=10_000_000,
                            note="enqueue"))
@@ -96,7 +96,7 @@ def test_a_time_axis_reads_in_the_unit_its_span_holds_two_of():
 def test_a_short_run_on_one_backend_reads_in_minutes_as_one_line(tmp_path, tokenizer_dir):
     """Half an hour of one backend: its axis in minutes (not 0 to 0.5 hours), no total over its line."""
     config = seed_config(tmp_path, tokenizer_dir)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     now = time.time()
     for i in range(200):
         assert store.put(record(f"{i:064x}", "B3_magicoder", 500 + i, created_at=now - 1800 + 9 * i, latency_s=5.0))
@@ -119,7 +119,7 @@ def test_a_budget_far_above_a_short_run_is_named_not_drawn(tmp_path, tokenizer_d
     and the cap as off the scale instead of a line that squashes the curve flat. A budget raised
     from one on the scale to 10M: the step is drawn up to the axis's top."""
     config = seed_config(tmp_path, tokenizer_dir)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     now = time.time()
     for i in range(200):
         assert store.put(record(f"{i:064x}", "B3_magicoder", 500 + i, created_at=now - 1800 + 9 * i, latency_s=5.0))
@@ -155,7 +155,7 @@ def test_report_draws_one_version_or_every_version_and_plans_only_the_current(tm
     ``--all-versions`` every record; a version that never was is an error naming the versions."""
     config = seed_config(tmp_path, tokenizer_dir)
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     v2 = cfg.dataset("B3_magicoder").settings(cfg.fleet.model)
     v1 = msgspec.structs.replace(v2, max_tokens=v2.max_tokens // 2)
     store.write_manifest(DatasetManifest(name="B3_magicoder", version=2, settings=v2, settings_id=settings_id(v2),

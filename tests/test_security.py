@@ -24,7 +24,7 @@ import pytest
 from draftfleet import redis_keys as rk
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import GenerationSettings, Message, PromptTask
-from draftfleet.store import MARKER, Store
+from draftfleet.store import MARKER, open_store
 
 from .conftest import RedisServer, free_port, run_cli, wait_until, write_config, write_jsonl
 from .test_fleet import _enqueue
@@ -84,7 +84,7 @@ def test_task_paths_cannot_leave_the_store(tmp_path, redis_server, tokenizer_dir
     _enqueue(config, redis_server.url)
     before = {p for p in tmp_path.rglob("*")}
     workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url)
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     r = redis_server.client()
     wait_until(lambda: len(store.keys("ds")) == 2 and r.llen(rk.DEAD_LETTER) == len(evil), 60, 0.2, workers.logs())
     reasons = [json.loads(x)["reason"] for x in r.lrange(rk.DEAD_LETTER, 0, -1)]
@@ -155,7 +155,7 @@ def test_api_key_from_the_environment_appears_nowhere(tmp_path, redis_server, to
         flower.wait_up()
         workers.start(config, "cloud", "--backend", "cloudy", "--name", "keyed", redis_url=redis_server.url,
                       env={"DRAFTFLEET_TEST_KEY": API_KEY})
-        store = Store(load_config(config).fleet.store)
+        store = open_store(load_config(config))
         wait_until(lambda: len(store.keys("ds")) == 4 and len(store.failures("ds")) == 1, 60, 0.2, workers.logs())
         [failure] = store.failures("ds")
         assert failure.error_kind == "http_400" and "invalid request from key ***" in failure.reason
@@ -200,7 +200,7 @@ def test_redis_password_works_and_is_never_printed(tmp_path, tokenizer_dir, emul
         env = {"REDIS_URL": server.url}
         outputs = [run_cli("enqueue", "--config", str(config), env=env)]
         workers.start(config, "gpu", "--url", emu.url, redis_url=server.url)
-        store = Store(load_config(config).fleet.store)
+        store = open_store(load_config(config))
         wait_until(lambda: len(store.keys("ds")) == 4, 60, 0.2, workers.logs())
         for args in (["status"], ["status", "--json"], ["reconcile"], ["inventory"]):
             outputs.append(run_cli(*args, "--config", str(config), env=env))
@@ -267,7 +267,7 @@ def test_rediss_url_with_tls_and_password(tmp_path, tokenizer_dir, emulator_fact
         outputs = [run_cli("enqueue", "--config", str(config), env={"REDIS_URL": url})]
         assert outputs[0].returncode == 0, outputs[0].stderr
         workers.start(config, "gpu", "--url", emu.url, redis_url=url)
-        store = Store(load_config(config).fleet.store)
+        store = open_store(load_config(config))
         wait_until(lambda: len(store.keys("ds")) == 4, 60, 0.2, workers.logs())
         outputs.append(run_cli("status", "--json", "--config", str(config), env={"REDIS_URL": url}))
         assert outputs[-1].returncode == 0, outputs[-1].stderr

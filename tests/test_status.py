@@ -14,7 +14,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.ledger import Ledger
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import WorkerReport
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.views.status import (BackendRow, DatasetRow, Snapshot, SpendRow, WorkerRow, render, snapshot,
                                      worker_reports)
 
@@ -133,7 +133,7 @@ def test_in_flight_is_shown_within_a_second_not_at_the_next_heartbeat(tmp_path, 
 
     wait_until(lambda: emu.stats()["open"] == 64, 30, 0.02, workers.logs())
     rise = shown_within(64, time.monotonic())
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     wait_until(lambda: len(store.keys("ds")) == 64 and not list(r.scan_iter(rk.claim("ds", "*"))), 60, 0.02,
                workers.logs())
     fall = shown_within(0, time.monotonic())

@@ -23,7 +23,7 @@ from draftfleet.ledger import Ledger, micro_usd
 from draftfleet.reconcile import Reconciler
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import FailureRecord, Message, PromptTask
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 
 from .conftest import free_port, wait_until, write_config, write_jsonl
 from .test_core import _record
@@ -43,7 +43,7 @@ def fleet(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_fact
     config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url,
                           datasets=[{"name": "ds", "path": str(data), "max_tokens": 64}])
     cfg = load_config(config)
-    Store(cfg.fleet.store).prepare()  # as a worker does at start
+    open_store(cfg).prepare()  # as a worker does at start
     monkeypatch.setattr(tasks, "INFRA_RETRY_S", 0.0)
     backend = CloudChat("cloudy", cfg.cloud("cloudy"), target_tokenizer, KEY_ENV["DRAFTFLEET_TEST_KEY"])
     made = []
@@ -51,7 +51,7 @@ def fleet(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_fact
     def runtime(broker_url: str = redis_server.url):
         app = make_app(broker_url, 3600)
         tasks.register(app)
-        rt = tasks.Runtime(app, cfg, Store(cfg.fleet.store), redis_server.client(), backend, "edge@test", ["ds"], 1.0)
+        rt = tasks.Runtime(app, cfg, open_store(cfg), redis_server.client(), backend, "edge@test", ["ds"], 1.0)
         tasks.install(rt)
         made.append(rt)
         return rt
@@ -74,7 +74,7 @@ def fleet(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_fact
         finally:
             gen.pop_request()
 
-    yield SimpleNamespace(cfg=cfg, emu=emu, r=redis_server.client(), store=Store(cfg.fleet.store),
+    yield SimpleNamespace(cfg=cfg, emu=emu, r=redis_server.client(), store=open_store(cfg),
                           runtime=runtime, prompt=prompt, run=run, backend=backend)
     for rt in made:
         rt.stop()
@@ -106,7 +106,7 @@ def test_reconcile_compares_only_keys_seen_by_both_reads(tmp_path, redis_server)
     r = redis_server.client()
     ledger = Ledger(r)
     first = _record("a1" * 32, completion_tokens=1000, output_ids=[5] * 1000)
-    Store(tmp_path).put(first)
+    open_store(tmp_path).put(first)
     ledger.count(first)
     late = [_record(k * 32, completion_tokens=1000, output_ids=[5] * 1000) for k in ("b2", "c3")]
     store = _StoreWritten(tmp_path, ledger, late)
@@ -118,7 +118,7 @@ def test_reconcile_compares_only_keys_seen_by_both_reads(tmp_path, redis_server)
     assert ledger.totals("ds")["sglang"]["completion_tokens"] == 3000
     # a key counted but truly gone from the store is still taken out
     os.unlink(store.path("ds", "c3" * 32))
-    drift = Reconciler(Store(tmp_path), r).reconcile("ds")
+    drift = Reconciler(open_store(tmp_path), r).reconcile("ds")
     assert drift.counted_not_stored == 1 and drift.corrections["*"]["completion_tokens"] == -1000
 
 

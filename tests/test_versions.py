@@ -13,7 +13,7 @@ from draftfleet.conversation import record_turns
 from draftfleet.export import features
 from draftfleet.hidden import HiddenStore, encode_safetensors
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.versions import select
 
 from .conftest import run_cli, wait_until, write_config, write_jsonl
@@ -44,7 +44,7 @@ def test_a_new_version_is_exported_captured_and_counted_alone(tmp_path, redis_se
 
     env = {"REDIS_URL": redis_server.url}
     path = config("first")
-    store = Store(load_config(path).fleet.store)
+    store = open_store(load_config(path))
     assert run_cli("enqueue", "--config", str(path), env=env).returncode == 0
     workers.start(path, "gpu", "--url", emu.url, redis_url=redis_server.url)
     wait_until(lambda: len(store.keys("ds")) == 4, 60, 0.2, workers.logs())

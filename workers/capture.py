@@ -72,7 +72,7 @@ from draftfleet.hidden import (CONVERSATION, DIGEST_KEY, DTYPES, HEADER_ROOM, SC
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
 from draftfleet.schemas.records import (CaptureManifest, CaptureTask, EngineContract, ResponseRecord, WorkerReport,
                                        turn_name)
-from draftfleet.store import Store, StoreError, check_key, check_name, link_once, make_dirs
+from draftfleet.store import Store, StoreError, check_key, check_name, link_once, make_dirs, open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.backends import Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
@@ -876,7 +876,7 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
     r = connect(broker_url)
     refuse_duplicate_name(r, hostname)
     tokenizer = TargetTokenizer.from_config(cfg.fleet)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     store.prepare()
     check_storage(cfg, Path(storage_path(cfg)))  # the engine's files are linked into the store
     server = client = rt = connector = None

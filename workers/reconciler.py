@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import tempfile
+from hashlib import sha256
 from pathlib import Path
 
 from draftfleet import redis_keys as rk
@@ -16,7 +18,7 @@ from draftfleet.assign import live_budgets
 from draftfleet.broker import connect, redact, resolve_redis_url
 from draftfleet.reconcile import Reconciler
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.store import Store, make_dirs
+from draftfleet.store import make_dirs, open_store
 from draftfleet.workers.app import make_app
 from draftfleet.workers.worker import setup_logging
 
@@ -31,7 +33,7 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
     setup_logging(loglevel)
     url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
     r = connect(url)
-    reconciler = Reconciler(Store(cfg.fleet.store), r)
+    reconciler = Reconciler(open_store(cfg), r)
     app = make_app(url, cfg.fleet.visibility_timeout_s)
     app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"  # only fleet tasks run; others dead-lettered
 
@@ -64,7 +66,10 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
         REGISTRY.register(FleetCollector(cfg, r))
         start_http_server(metrics_port, addr=metrics_address)
         log.info("metrics on http://%s:%d/metrics", metrics_address, metrics_port)
-    state = Path(cfg.fleet.store) / "_state"
+    store = open_store(cfg)
+    # celery beat's schedule: the store's folder, else (a bucket) this machine's temp folder
+    local = store.root if store.local else Path(tempfile.gettempdir()) / f"draftfleet-{sha256(store.location.encode()).hexdigest()[:12]}"
+    state = local / "_state"
     make_dirs(state)
     log.info("reconciler every %.0fs, broker %s", interval_s, redact(url))
     app.worker_main([

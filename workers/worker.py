@@ -21,7 +21,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.broker import connect, redact, resolve_redis_url
 from draftfleet.schemas.config import ENGINE_LABELS, ConfigError, Engine, FleetConfig
 from draftfleet.schemas.records import WorkerReport
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.app import make_app
 from draftfleet.workers.backends import Backend
@@ -202,7 +202,7 @@ def run_worker(
         app.conf.worker_consumer = "draftfleet.workers.consumer:Consumer"
         app.conf.broker_transport = "draftfleet.workers.consumer:Transport"
         register(app)
-        store = Store(cfg.fleet.store)
+        store = open_store(cfg)
         store.prepare()
         # Without --dataset a worker follows every dataset, also those enqueued while it runs.
         rt = Runtime(app, cfg, store, r, backend, hostname, names, pause_s, follow_all=not datasets)

@@ -19,7 +19,7 @@ def add_common(sp, store=True) -> None:
     sp.add_argument("--config", "-c", help="fleet.toml (default: $DRAFTFLEET_CONFIG or ./fleet.toml)")
     sp.add_argument("--redis-url", help="Redis URL (default: $REDIS_URL, [fleet].redis_url, else the store's embedded Redis)")
     if store:
-        sp.add_argument("--store", help="store folder (overrides [fleet].store)")
+        sp.add_argument("--store", help="store folder or s3://bucket/prefix (overrides [fleet].store)")
 
 
 def config(args) -> FleetConfig:
@@ -28,17 +28,18 @@ def config(args) -> FleetConfig:
     if getattr(args, "store", None):
         import msgspec
 
-        cfg = msgspec.structs.replace(cfg, fleet=msgspec.structs.replace(cfg.fleet, store=str(Path(args.store).resolve())))
+        where = args.store if args.store.startswith("s3://") else str(Path(args.store).resolve())
+        cfg = msgspec.structs.replace(cfg, fleet=msgspec.structs.replace(cfg.fleet, store=where))
     return cfg
 
 def sender(args, cfg):
     """What queues tasks: the Celery app and the Redis client of the fleet's broker, and its store."""
     from draftfleet.broker import connect, resolve_redis_url
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
     from draftfleet.workers.app import make_app
 
     url = resolve_redis_url(args.redis_url, cfg.fleet.redis_url, cfg.fleet.store)
-    return make_app(url, cfg.fleet.visibility_timeout_s), connect(url), Store(cfg.fleet.store)
+    return make_app(url, cfg.fleet.visibility_timeout_s), connect(url), open_store(cfg)
 
 def add_version(sp) -> None:
     """``--version N`` / ``--all-versions``: which of a dataset's versions (``enqueue --new-version``)
@@ -78,9 +79,9 @@ def config_or_store(args):
 def dataset_names(args, cfg, root=None) -> list[str]:
     """The datasets named (each checked), else all: the config's, or the store's with ``--store`` alone."""
     if cfg is None:
-        from draftfleet.store import Store
+        from draftfleet.store import open_store
 
-        known = Store(root).datasets()
+        known = open_store(root).datasets()
         unknown = [n for n in args.dataset or [] if n not in known]
         if unknown:
             raise ConfigError(f"unknown dataset(s) {', '.join(unknown)}: {root} has {', '.join(known) or 'none'}")

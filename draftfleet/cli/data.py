@@ -13,11 +13,11 @@ def cmd_import(args) -> int:
     from draftfleet.ledger import Ledger
     from draftfleet.producer.enqueue import check_manifest
     from draftfleet.producer.importer import import_file
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
 
     cfg = config(args)
     ds = cfg.dataset(args.dataset)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     manifest = check_manifest(store, cfg, ds, new_version=False)
     try:
         ledger = Ledger(redis_client(args, cfg))
@@ -35,7 +35,7 @@ def cmd_import(args) -> int:
               f"{summary.already_present} already present; {summary.rejected} rejected", highlight=False)
     if summary.rejected_by_kind:
         out.print("rejected: " + ", ".join(f"{k} {v}" for k, v in summary.rejected_by_kind.items())
-                  + f"; raw lines in {store.quarantine_path(ds.name)}", highlight=False)
+                  + f"; raw lines in {store.quarantine_location(ds.name)}", highlight=False)
     if summary.cut_last_line:
         out.print("[yellow]the last line was cut off (the writer was killed mid-line): skipped[/]")
     how = {"file": "from the file's finish_reason", "end_of_turn": "by the end-of-turn id",
@@ -51,10 +51,10 @@ def cmd_export(args) -> int:
     import msgspec
 
     from draftfleet.export import ExportError, export_dataset
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
 
     cfg, root = config_or_store(args)
-    store = Store(root)
+    store = open_store(cfg or root)
     known = sorted({d.name for d in cfg.datasets} | set(store.datasets())) if cfg else store.datasets()
     names = args.dataset or known
     unknown = [n for n in names if n not in known]

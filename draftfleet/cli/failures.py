@@ -17,11 +17,11 @@ _VERDICT = {"yes": "may succeed if re-sent", "maybe": "may succeed if re-sent", 
 def cmd_failures(args) -> int:
     import msgspec
 
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
     from draftfleet.views.failures import failure_rows, quarantine_rows
 
     cfg, root = config_or_store(args)
-    store = Store(root)
+    store = open_store(cfg or root)
     names = args.dataset or ([d.name for d in cfg.datasets] if cfg else store.datasets())
     rows = failure_rows(store, names)
     if args.json:

@@ -117,10 +117,10 @@ def cmd_reconcile(args) -> int:
     import msgspec
 
     from draftfleet.reconcile import Reconciler
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
 
     cfg, root = config_or_store(args)
-    store = Store(root)
+    store = open_store(cfg or root)
     names = dataset_names(args, cfg, root)
     drifts = Reconciler(store, redis_client(args, cfg)).reconcile_all(names)
     if args.json:

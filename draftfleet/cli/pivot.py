@@ -63,9 +63,9 @@ def log_assignment(root, result, what: str) -> None:
     import time
 
     from draftfleet.schemas.records import DatasetEvent
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
 
-    store = Store(root)
+    store = open_store(root)
     for ds, kinds in result.assignment.items():
         store.log(DatasetEvent(at=time.time(), dataset=ds, kind="assign", assigned=kinds, note=what))
 
@@ -79,7 +79,7 @@ def _move(args, label: str, run, title: str, warnings: dict[str, str] | None = N
         t = progress.add_task(label, total=None)
         tick = lambda running: progress.update(t, description=f"waiting for {running} in flight")  # noqa: E731
         result = run(r, names, tick)
-    log_assignment(root, result, args.command)
+    log_assignment(cfg or root, result, args.command)
     return pivot_report(args, cfg, root, result, title.format(datasets=", ".join(names)), warnings)
 
 

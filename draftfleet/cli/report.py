@@ -12,14 +12,14 @@ def cmd_report(args) -> int:
     from draftfleet.cli.plan import fleet_redis
     from draftfleet.ledger import Ledger
     from draftfleet.queues import next_answers
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
     from draftfleet.versions import VersionError, select
     from draftfleet.views.inventory import dataset_keys
     from draftfleet.views.plan import plan_from_store
     from draftfleet.views.report import build_report, write_report
 
     cfg, root = config_or_store(args)
-    store = Store(root)
+    store = open_store(cfg or root)
     names = dataset_names(args, cfg, root)
     r = fleet_redis(args, cfg)
     budgets = live_budgets(cfg, r) if cfg is not None and r is not None else {}

@@ -31,7 +31,7 @@ from draftfleet.assign import assign
 from draftfleet.broker import EmbeddedRedis, connect
 from draftfleet.devtools import samples
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 from draftfleet.views import status
 from draftfleet.views.plan import plan_from_redis, render_plans
 
@@ -124,7 +124,7 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
     try:
         url = redis_server.ensure()
         r = connect(url)
-        st = Store(cfg.fleet.store)
+        st = open_store(cfg)
         for name in names:  # 1. starts on the GPU alone: assigned before any worker reads it
             assign(r, name, {"gpu"})
         env = {**os.environ, DEMO_KEY_ENV: api_key, "REDIS_URL": url}

@@ -140,9 +140,11 @@ def export_dataset(store: Store, dataset: str, out_dir: str | Path, formats: lis
         raise ExportError("the tokens format needs the target tokenizer ([fleet].tokenizer or --tokenizer)")
     chosen = _selection(store, dataset, version, all_versions)
     records, unreadable, others = [], 0, 0
-    for path in store.record_paths(dataset):
+    for _name, data in store.read_many(store.record_files(dataset)):
         try:
-            rec = _decode(path.read_bytes())
+            if isinstance(data, OSError):
+                raise data
+            rec = _decode(data)
         except (OSError, msgspec.DecodeError):
             unreadable += 1
             continue

@@ -83,7 +83,7 @@ def quarantine_rows(store: Store, datasets: list[str]) -> list[QuarantineRow]:
         for e in store.quarantined(name):
             counts[e.kind] += 1
             first.setdefault(e.kind, e.message)
-        path = str(store.quarantine_path(name))
+        path = store.quarantine_location(name)
         rows += [QuarantineRow(dataset=name, kind=k, lines=n, first=first[k], file=path)
                  for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     return rows

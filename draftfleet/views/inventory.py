@@ -29,7 +29,7 @@ from draftfleet.producer.readers import Rejection, read_prompts
 from draftfleet.queues import next_answers
 from draftfleet.schemas.config import DatasetConfig, FleetConfig
 from draftfleet.schemas.records import IMPORTED_BY, GenerationSettings, ResponseRecord
-from draftfleet.store import Store
+from draftfleet.store import Store, open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.versions import Selection, select
 from draftfleet.ledger import BudgetUse
@@ -157,19 +157,16 @@ class _Partial(msgspec.Struct):
     activity: dict[str, Activity] = {}
 
 
-def _scan(paths: list[str], vocab_size: int | None, eot_id: int | None, sample_records: int,
+def _scan(store: Store, paths: list[str], vocab_size: int | None, eot_id: int | None, sample_records: int,
           sample_tokens: int, settings_id: str | None = None) -> _Partial:
     """Count the records at ``paths`` (those of the version ``settings_id`` names, when given)."""
     checked = _vocab_decoder(vocab_size) if vocab_size else None
     part = _Partial(splits={}, prompts={})
     sampled_tokens = 0
-    for path in paths:
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except OSError as exc:
+    for path, data in store.read_many(paths):
+        if isinstance(data, OSError):
             part.schema_errors += 1
-            part.unreadable.append(f"{path}: {exc.strerror or exc}")
+            part.unreadable.append(f"{path}: {data.strerror or data}")
             continue
         try:
             rec = checked(data) if checked else _decode(data)
@@ -259,10 +256,10 @@ def inventory_dataset(
         chunks = [paths[i::n] for i in range(n)]
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(n, mp_context=ctx) as pool:
-            parts = list(pool.map(_scan, chunks, [vocab] * n, [eot] * n, [roundtrip_sample // n + 1] * n,
+            parts = list(pool.map(_scan, [store] * n, chunks, [vocab] * n, [eot] * n, [roundtrip_sample // n + 1] * n,
                                   [roundtrip_tokens // n + 1] * n, [records.settings_id] * n))
     else:
-        parts = [_scan(paths, vocab, eot, roundtrip_sample, roundtrip_tokens, records.settings_id)]
+        parts = [_scan(store, paths, vocab, eot, roundtrip_sample, roundtrip_tokens, records.settings_id)]
 
     splits: dict[str, Split] = {}
     prompts: Counter[str] = Counter()
@@ -373,7 +370,7 @@ def run_inventory(
     budgets and prices from the config, else from the manifests. A version it lacks: VersionError.
     ``verify``: read every hidden-state file of the latest capture version against its digest.
     ``r``: the fleet's Redis, for the turns of each dataset's next queued task (admission's reservation)."""
-    store = Store(store_root)
+    store = open_store(cfg or store_root)
     names = datasets or (store.datasets() if cfg is None else [d.name for d in cfg.datasets])
     prices = {n: (c.price_input_per_mtok, c.price_output_per_mtok) for n, c in (cfg.clouds.items() if cfg else [])}
     out = []
@@ -401,6 +398,8 @@ def _hidden_inventory(store: Store, inv: DatasetInventory, verify: bool = False)
     tokens (what capture feeds the engine) not captured yet, plus the budget left with its prompts."""
     from draftfleet.hidden import HiddenStore, measured_bytes_per_token, projected_bytes
 
+    if not store.local:  # capture to a bucket is refused: nothing to show
+        return None
     hidden = HiddenStore(store)
     m = hidden.manifest(inv.dataset)
     if m is None:

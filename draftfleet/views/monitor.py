@@ -83,9 +83,9 @@ def _fleet_queue_views(cfg: FleetConfig):
     from flower.views.broker import BrokerView
 
     from draftfleet import redis_keys as rk
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
 
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
 
     class DatasetQueues:
         def get_active_queue_names(self):

@@ -76,12 +76,13 @@ class Columns(msgspec.Struct):
     intervals: dict[str, list[tuple[float, float]]] = {}  # backend -> its requests' (start, end), not imported
 
 
-def _read(paths: list[str], settings_id: str | None) -> Columns:
+def _read(store: Store, paths: list[str], settings_id: str | None) -> Columns:
     c = Columns([], [], [], [], [], [], [], [])
-    for path in paths:
+    for _path, data in store.read_many(paths):
         try:
-            with open(path, "rb") as fh:
-                r = _row.decode(fh.read())
+            if isinstance(data, OSError):
+                raise data
+            r = _row.decode(data)
         except (OSError, msgspec.DecodeError):
             c.unreadable += 1
             continue
@@ -118,9 +119,9 @@ def read_columns(store: Store, dataset: str, processes: int | None = None, selec
     settings_id = (selection or select(store, dataset)).settings_id
     n = processes or (min(os.cpu_count() or 1, 8) if len(paths) >= PARALLEL_FROM else 1)
     if n == 1:
-        return _read(paths, settings_id)
+        return _read(store, paths, settings_id)
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-        parts = list(pool.map(_read, [paths[i::n] for i in range(n)], [settings_id] * n))
+        parts = list(pool.map(_read, [store] * n, [paths[i::n] for i in range(n)], [settings_id] * n))
     out = Columns([], [], [], [], [], [], [], [])
     for p in parts:
         for f in ("backend", "kind", "tokens", "truncated", "cost", "at", "imported", "keys"):
@@ -345,6 +346,8 @@ def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, s
     """Captured turns over time (the files' times) against the units, and the bytes they take."""
     from draftfleet.hidden import HiddenStore
 
+    if not store.local:
+        return None, f"no hidden-state capture: not supported in {store.location} yet"
     hidden = HiddenStore(store)
     m = hidden.manifest(dataset)
     if m is None:

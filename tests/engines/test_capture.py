@@ -29,7 +29,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.hidden import (CONVERSATION, HEADER_ROOM, HIDDEN_DIR, HiddenStore, TargetModel, bf16_to_f32,
                                encode_safetensors, f32_to_bf16, read_safetensors)
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import open_store
 from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
 
 from ..conftest import free_port, run_cli, wait_until, write_config, write_jsonl
@@ -354,7 +354,7 @@ def test_a_server_started_by_hand_with_other_layers_stores_nothing(tmp_path, red
     in the storage folder never runs in the engine."""
     import httpx
 
-    from draftfleet.store import Store
+    from draftfleet.store import open_store
 
     from ..test_core import _record
     from ..test_hidden import PROMPT_LEN
@@ -376,7 +376,7 @@ def test_a_server_started_by_hand_with_other_layers_stores_nothing(tmp_path, red
     hand.write_text(config.read_text() + capture + "aux_layers = [1, 3, 6]\n" + vllm)
     with open(config, "a") as fh:
         fh.write(capture + vllm)
-    store = Store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
     store.prepare()
     for i in range(3):
         store.put(_record(f"{i:02x}" * 32, dataset="hand", output_ids=[5, 6, 7, 8 + i], prompt_tokens=PROMPT_LEN))
@@ -437,7 +437,7 @@ def test_a_conversation_captured_once_equals_its_turns_captured_apart(capture, t
     with open(config, "a") as fh:
         fh.write(f'\n[backends.vllm]\nurls = ["{capture.server.url}"]\n'
                  f'\n[capture]\nmodel_path = "{capture.model}"\nstorage_path = "{capture.storage}"\ninflight = 8\n')
-    store = Store(load_config(config).fleet.store)
+    store = open_store(load_config(config))
     gen = workers.start(config, "gpu", "--engine", "sglang", "--url", emu.url, "--name", "gen-mt",
                         redis_url=redis_server.url)
     _enqueue(config, redis_server.url)

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from draftfleet.schemas.config import load_config
-from draftfleet.store import Store
+from draftfleet.store import open_store
 
 from ..conftest import run_cli, wait_until, write_config, write_jsonl
 from ..test_faults import CLAIM_ENV, _report, _workers_up, assert_exactly_once
@@ -34,7 +34,7 @@ def _config(tmp_path, tokenizer_dir, engine: str, url: str, datasets: list[dict]
         {"max_tokens": MAX_TOKENS, "temperature": 0.0, **ds} for ds in datasets])
     with open(config, "a") as fh:
         fh.write(f'\n[backends.{engine}]\nurls = ["{url}"]\ninflight = {inflight}\nrequest_timeout_s = 120.0\n')
-    return config, Store(load_config(config).fleet.store)
+    return config, open_store(load_config(config))
 
 
 def _line(source: str) -> str:

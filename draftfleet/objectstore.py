@@ -1,0 +1,275 @@
+"""The store in a bucket: ``s3://bucket/prefix``, for machines that share no file system.
+
+The layout under the prefix is the file store's (draftfleet/store.py), and so are the semantics,
+each by one S3 request:
+
+- a record is written once by ``PutObject`` with ``If-None-Match: *``: 412 means another writer
+  won (a lost ``link``); 409 means a write of the same key was under way: try again;
+- a manifest is replaced by ``If-Match: <the ETag it was read with>``: an enqueue that read an
+  older one is refused instead of overwriting what another enqueue wrote meanwhile;
+- failures and progress are replaced whole (a PUT is atomic), and deleted when done;
+- what a file store appends to becomes one object per entry: a quarantined line under the hash
+  of what identifies it (so a re-run's is the same object, written once), a logged decision
+  under its time;
+- listings are by prefix, 1,000 keys a request.
+
+``prepare`` refuses a bucket that does not honour ``If-None-Match`` (it writes a probe twice):
+without it two workers finishing one prompt would both count it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import re
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from draftfleet.s3 import Bucket, S3Error
+from draftfleet.schemas.config import NAME_RE, StoreS3Section
+from draftfleet.schemas.records import DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry, TurnProgress
+from draftfleet.store import (
+    _FLEET_ENTRIES,
+    MARKER,
+    Store,
+    StoreError,
+    _encoder,
+    _event_decoder,
+    _failure_decoder,
+    _manifest_decoder,
+    _quarantine_decoder,
+    _quarantine_id,
+    check_key,
+    check_name,
+)
+
+READ_THREADS = 16  # GETs in flight while a view reads every record: latency-bound, not CPU-bound
+CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: another write of the key was under way
+_RECORD_RE = re.compile(r"/[0-9a-f]{2}/[0-9a-f]{64}\.json$")
+
+
+def parse_location(location: str) -> tuple[str, str]:
+    """``s3://bucket/prefix`` as (bucket, prefix without slashes at either end)."""
+    m = re.match(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(.*))?$", location)
+    if not m:
+        raise StoreError(f"bad store {location!r}: expected s3://bucket/prefix (a bucket name of 3-63 lowercase "
+                         f"letters, digits, dots and hyphens)")
+    prefix = (m.group(2) or "").strip("/")
+    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
+        raise StoreError(f"bad store {location!r}: the prefix has an empty, '.' or '..' part")
+    return m.group(1), prefix
+
+
+class ObjectStore(Store):
+    """The fleet's store in an S3-compatible bucket (AWS S3, Cloudflare R2, SeaweedFS, MinIO)."""
+
+    local = False
+
+    def __init__(self, location: str, options: StoreS3Section | None = None):
+        self.bucket_name, self.prefix = parse_location(location)
+        self.location = f"s3://{self.bucket_name}/{self.prefix}" if self.prefix else f"s3://{self.bucket_name}"
+        self.bucket = Bucket(self.bucket_name, options)
+        self._etags: dict[str, str | None] = {}  # dataset -> the ETag its manifest was read with
+
+    def _key(self, *parts: str) -> str:
+        return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
+
+    def _retry_conflict(self, write):
+        """Run ``write``; a 409 (a concurrent write of the key) is tried again."""
+        for attempt in range(CONFLICT_RETRIES):
+            try:
+                return write()
+            except S3Error as exc:
+                if exc.status != 409 or attempt == CONFLICT_RETRIES - 1:
+                    raise
+                time.sleep(0.05 * 2**attempt)
+
+    def _create_object(self, key: str, data: bytes) -> bool:
+        try:
+            self._retry_conflict(lambda: self.bucket.put(key, data, if_none_match=True))
+        except S3Error as exc:
+            if exc.status == 412:
+                return False
+            raise
+        return True
+
+    # -- the store's own --------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Refuse a bucket that cannot be reached or written, a prefix holding what the fleet did
+        not make, and a bucket that ignores conditional writes; then mark the prefix."""
+        self.bucket.check_bucket()
+        marker = self._key(MARKER)
+        if not self.bucket.exists(marker):
+            top = self._key("") if self.prefix else ""
+            foreign = []
+            for name in self.bucket.list(top, delimiter="/"):
+                entry = name[len(top):].rstrip("/")
+                if entry in _FLEET_ENTRIES or entry == "_probe" or (name.endswith("/") and NAME_RE.match(entry)
+                                               and self.bucket.exists(self._key(entry, "manifest.json"))):
+                    continue
+                foreign.append(entry)
+                if len(foreign) > 5:
+                    break
+            if foreign:
+                raise StoreError(f"refusing store {self.location}: it holds objects the fleet did not make "
+                                 f"({', '.join(foreign[:5])}) and no {MARKER} marker; use an empty prefix")
+        self._probe_conditional_writes()
+        self._create_object(marker, b'{"draftfleet_store": 1}\n')
+
+    def _probe_conditional_writes(self) -> None:
+        probe = self._key("_probe", secrets.token_hex(8))
+        try:
+            if not self._create_object(probe, b"1") or self._create_object(probe, b"2"):
+                raise StoreError(f"refusing store {self.location}: the bucket ignores If-None-Match (a second "
+                                 f"conditional PUT of one key succeeded), so two workers could both store one "
+                                 f"prompt; use a bucket or server with conditional writes (ops/scaling.md)")
+        finally:
+            try:
+                self.bucket.delete(probe)
+            except S3Error:
+                pass  # the probe is left: harmless, under _probe/
+
+    # -- responses -----------------------------------------------------------------------
+    def _record_key(self, dataset: str, key: str) -> str:
+        check_name(dataset)
+        check_key(key)
+        return self._key(dataset, key[:2], f"{key}.json")
+
+    def has(self, dataset: str, key: str) -> bool:
+        return self.bucket.exists(self._record_key(dataset, key))
+
+    def _create(self, dataset: str, key: str, data: bytes) -> bool:
+        return self._create_object(self._record_key(dataset, key), data)
+
+    def set_aside(self, dataset: str, key: str) -> str | None:
+        src = self._record_key(dataset, key)
+        if not self.bucket.exists(src):
+            return None
+        dst = self._key("_unreadable", dataset, f"{key}.{time.time_ns()}.json")
+        self.bucket.copy(src, dst)
+        self.bucket.delete(src)
+        return f"s3://{self.bucket_name}/{dst}"
+
+    def record_bytes(self, dataset: str, key: str) -> bytes:
+        got = self.bucket.get(self._record_key(dataset, key))
+        if got is None:
+            raise FileNotFoundError(errno.ENOENT, "no such record", self.record_location(dataset, key))
+        return got[0]
+
+    def record_location(self, dataset: str, key: str) -> str:
+        return f"s3://{self.bucket_name}/{self._record_key(dataset, key)}"
+
+    def record_files(self, dataset: str) -> list[str]:
+        return [k for k in self.bucket.list(self._key(check_name(dataset), "")) if _RECORD_RE.search(k)]
+
+    def _read(self, name: str) -> bytes | OSError:
+        try:
+            got = self.bucket.get(name)
+        except S3Error as exc:
+            return OSError(errno.EIO, str(exc))
+        return got[0] if got is not None else FileNotFoundError(errno.ENOENT, "no such object", name)
+
+    def read_many(self, names: Iterable[str]) -> Iterator[tuple[str, bytes | OSError]]:
+        names = list(names)
+        if len(names) < 2:
+            yield from ((n, self._read(n)) for n in names)
+            return
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            yield from zip(names, pool.map(self._read, names))
+
+    def _documents(self, prefix: str, decoder) -> list:
+        """Every object under ``prefix`` decoded (an unreadable one is skipped)."""
+        out = []
+        for _name, data in self.read_many(self.bucket.list(prefix)):
+            if isinstance(data, OSError):
+                continue
+            try:
+                out.append(decoder.decode(data))
+            except msgspec.DecodeError:
+                continue
+        return out
+
+    def datasets(self) -> list[str]:
+        top = self._key("") if self.prefix else ""
+        names = (p[len(top):].rstrip("/") for p in self.bucket.list(top, delimiter="/") if p.endswith("/"))
+        return sorted(n for n in names if NAME_RE.match(n) and ".." not in n)
+
+    # -- manifests, failures, progress ----------------------------------------------------
+    def manifest(self, dataset: str) -> DatasetManifest | None:
+        got = self.bucket.get(self._key(check_name(dataset), "manifest.json"))
+        self._etags[dataset] = got[1] if got else None
+        return _manifest_decoder.decode(got[0]) if got else None
+
+    def write_manifest(self, manifest: DatasetManifest) -> None:
+        """Replace the manifest if it is still the one this store read (read it first if not)."""
+        if manifest.name not in self._etags:
+            self.manifest(manifest.name)
+        seen = self._etags[manifest.name]
+        key = self._key(check_name(manifest.name), "manifest.json")
+        data = msgspec.json.format(_encoder.encode(manifest))
+        try:
+            etag = self._retry_conflict(lambda: self.bucket.put(key, data, if_none_match=seen is None, if_match=seen))
+        except S3Error as exc:
+            if exc.status == 412:
+                self._etags.pop(manifest.name, None)
+                raise StoreError(f"the manifest of {manifest.name} in {self.location} changed while this command "
+                                 f"ran (another enqueue?): run it again") from None
+            raise
+        self._etags[manifest.name] = etag
+
+    def put_failure(self, failure: FailureRecord) -> None:
+        key = self._key("_failures", check_name(failure.dataset), f"{check_key(failure.key)}.json")
+        self._retry_conflict(lambda: self.bucket.put(key, _encoder.encode(failure)))
+
+    def _failures(self, dataset: str) -> list[FailureRecord]:
+        return sorted(self._documents(self._key("_failures", check_name(dataset), ""), _failure_decoder),
+                      key=lambda f: f.key)
+
+    def clear_failure(self, dataset: str, key: str) -> None:
+        self.bucket.delete(self._key("_failures", check_name(dataset), f"{check_key(key)}.json"))
+
+    def _progress_key(self, dataset: str, key: str) -> str:
+        return self._key("_progress", check_name(dataset), f"{check_key(key)}.json")
+
+    def put_progress(self, progress: TurnProgress) -> None:
+        key = self._progress_key(progress.dataset, progress.key)
+        self._retry_conflict(lambda: self.bucket.put(key, _encoder.encode(progress)))
+
+    def progress(self, dataset: str, key: str) -> TurnProgress | None:
+        got = self.bucket.get(self._progress_key(dataset, key))
+        try:
+            return msgspec.json.decode(got[0], type=TurnProgress) if got else None
+        except msgspec.DecodeError:
+            return None
+
+    def clear_progress(self, dataset: str, key: str) -> None:
+        self.bucket.delete(self._progress_key(dataset, key))
+
+    def progress_keys(self, dataset: str) -> set[str]:
+        base = self._key("_progress", check_name(dataset), "")
+        return {k[len(base):-5] for k in self.bucket.list(base) if k.endswith(".json")}
+
+    # -- what only grows: one object per entry ---------------------------------------------
+    def quarantine_location(self, dataset: str) -> str:
+        return f"s3://{self.bucket_name}/{self._key('_quarantine', check_name(dataset), '')}"
+
+    def quarantined(self, dataset: str) -> Iterator[QuarantineEntry]:
+        found = self._documents(self._key("_quarantine", check_name(dataset), ""), _quarantine_decoder)
+        yield from sorted(found, key=lambda e: (e.at, e.file, e.line or 0))
+
+    def quarantine(self, dataset: str, entries: list[QuarantineEntry]) -> None:
+        base = ("_quarantine", check_name(dataset))
+        for e in entries:  # named by what identifies the rejection: a re-run's is the same object
+            name = hashlib.sha256(_encoder.encode(_quarantine_id(e))).hexdigest()
+            self._create_object(self._key(*base, f"{name}.json"), _encoder.encode(e))
+
+    def log(self, event: DatasetEvent) -> None:
+        name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"
+        self._create_object(self._key("_log", check_name(event.dataset), name), _encoder.encode(event))
+
+    def events(self, dataset: str) -> list[DatasetEvent]:
+        return sorted(self._documents(self._key("_log", check_name(dataset), ""), _event_decoder), key=lambda e: e.at)

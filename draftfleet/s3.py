@@ -1,0 +1,211 @@
+"""The fleet's one S3 client: every call to object storage goes through here.
+
+boto3, not obstore (README, "A store in a bucket"): its ``PutObject`` and
+``CompleteMultipartUpload`` take ``IfNoneMatch``/``IfMatch`` (botocore >= 1.36), a low-level
+client is documented thread-safe (one is shared by a Celery threads-pool worker), and it survives
+``fork`` when a child makes its own client (inventory and report read with a process per core);
+obstore's tokio runtime does not (obstore #441: "obstore is not fork safe").
+
+Every failure leaves as one ``S3Error`` line naming the bucket and what to do, never a key or
+secret: ``PreconditionFailed`` (412, another writer won) and ``Conflict`` (409, a concurrent
+write: try again) are told apart by ``status``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from draftfleet.schemas.config import StoreS3Section
+from draftfleet.store import StoreError
+
+MULTIPART_FROM = 64 * 2**20  # bytes; a larger upload goes in parts, completed with the same condition
+PART_BYTES = 32 * 2**20
+
+
+class S3Error(StoreError):
+    """An S3 request failed; ``status`` is its HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, status: int = 0, code: str = ""):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def _boto():
+    try:
+        import boto3
+        import botocore.config
+        import botocore.exceptions
+    except ImportError as exc:  # an extra: a file store needs none of it
+        raise S3Error("an s3:// store needs boto3: pip install 'draftfleet[s3]'") from exc
+    return boto3, botocore
+
+
+class Bucket:
+    """One bucket through one boto3 client per process (made again after a fork)."""
+
+    def __init__(self, bucket: str, options: StoreS3Section | None = None):
+        self.bucket = bucket
+        self.options = options or StoreS3Section()
+        self._client = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self):  # a process pool's child gets the settings, and makes its own client
+        return {"bucket": self.bucket, "options": self.options}
+
+    def __setstate__(self, state):
+        self.__init__(state["bucket"], state["options"])
+
+    @property
+    def endpoint(self) -> str:
+        return self.options.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+
+    def client(self):
+        if self._client is None or self._pid != os.getpid():
+            with self._lock:
+                if self._client is None or self._pid != os.getpid():
+                    boto3, botocore = _boto()
+                    session = boto3.session.Session(profile_name=self.options.profile)
+                    cfg = botocore.config.Config(
+                        retries={"mode": "standard", "max_attempts": 5},
+                        connect_timeout=10, read_timeout=60,
+                        max_pool_connections=64,  # a threads-pool worker's concurrency, not boto's 10
+                        # only where the operation needs one (botocore 1.36 default "when_supported" sends
+                        # CRC32 trailers that several S3-compatible servers reject)
+                        request_checksum_calculation="when_required", response_checksum_validation="when_required",
+                    )
+                    self._client = session.client("s3", endpoint_url=self.options.endpoint,
+                                                  region_name=self.options.region, config=cfg)
+                    self._pid = os.getpid()
+        return self._client
+
+    # -- errors ---------------------------------------------------------------------------
+    def _error(self, exc: Exception, what: str) -> S3Error:
+        """One line for a failed request; the secret key never appears in botocore's messages."""
+        _, botocore = _boto()
+        where = f"s3://{self.bucket} at {self.endpoint}"
+        if isinstance(exc, botocore.exceptions.NoCredentialsError):
+            return S3Error(f"no credentials for {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                           f"(or [store.s3] profile)")
+        if isinstance(exc, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError)):
+            return S3Error(f"cannot reach {where}: check [store.s3] endpoint or AWS_ENDPOINT_URL")
+        if isinstance(exc, botocore.exceptions.ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if code == "NoSuchBucket":
+                return S3Error(f"no bucket {self.bucket!r} at {self.endpoint}: create it first", status, code)
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                return S3Error(f"{where} refused the credentials ({code}): check AWS_ACCESS_KEY_ID and "
+                               f"AWS_SECRET_ACCESS_KEY", status, code)
+            if code == "AccessDenied" or status == 403:
+                return S3Error(f"access denied to {where} ({what}): the credentials may not read and write it",
+                               status, code)
+            return S3Error(f"{what} in {where} failed: {status} {code}", status, code)
+        if isinstance(exc, botocore.exceptions.BotoCoreError):
+            return S3Error(f"{what} in {where} failed: {exc}")
+        raise exc
+
+    def _call(self, what: str, fn, **kw):
+        _, botocore = _boto()
+        try:
+            return fn(Bucket=self.bucket, **kw)
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+            raise self._error(exc, what) from None
+
+    # -- objects --------------------------------------------------------------------------
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        """The object's bytes and ETag; None when there is none."""
+        try:
+            r = self._call(f"reading {key}", self.client().get_object, Key=key)
+        except S3Error as exc:
+            if exc.status == 404 and exc.code in ("NoSuchKey", "404"):
+                return None
+            raise
+        return r["Body"].read(), r["ETag"]
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call(f"looking up {key}", self.client().head_object, Key=key)
+        except S3Error as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        """Store ``data`` at ``key``: its new ETag. ``if_none_match``: only if nothing is there;
+        ``if_match``: only if the object still has that ETag (412 ``S3Error`` otherwise)."""
+        cond = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match} if if_match else {}
+        return self._call(f"writing {key}", self.client().put_object, Key=key, Body=data, **cond)["ETag"]
+
+    def upload_once(self, key: str, fh: BinaryIO, size: int) -> bool:
+        """Upload the open file ``fh`` (``size`` bytes, read from its start) unless ``key`` exists:
+        True if this call stored it. Large files go in parts, completed with ``If-None-Match: *``."""
+        fh.seek(0)
+        try:
+            if size < MULTIPART_FROM:
+                self.put(key, fh.read(), if_none_match=True)
+                return True
+            return self._multipart_once(key, fh, size)
+        except S3Error as exc:
+            if exc.status == 412:
+                return False
+            raise
+
+    def _multipart_once(self, key: str, fh: BinaryIO, size: int) -> bool:
+        c = self.client()
+        upload = self._call(f"starting an upload of {key}", c.create_multipart_upload, Key=key)["UploadId"]
+        try:
+            parts = []
+            for n, start in enumerate(range(0, size, PART_BYTES), 1):
+                body = fh.read(min(PART_BYTES, size - start))
+                r = self._call(f"uploading part {n} of {key}", c.upload_part, Key=key, UploadId=upload,
+                               PartNumber=n, Body=body)
+                parts.append({"ETag": r["ETag"], "PartNumber": n})
+            self._call(f"completing {key}", c.complete_multipart_upload, Key=key, UploadId=upload,
+                       MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+            return True
+        except BaseException:
+            try:
+                c.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+            except Exception:  # noqa: BLE001 - the bucket's lifecycle rule reaps what is left
+                pass
+            raise
+
+    def delete(self, key: str) -> None:
+        self._call(f"deleting {key}", self.client().delete_object, Key=key)
+
+    def copy(self, src: str, dst: str) -> None:
+        self._call(f"copying {src}", self.client().copy_object, Key=dst, CopySource={"Bucket": self.bucket, "Key": src})
+
+    def list(self, prefix: str, delimiter: str | None = None) -> Iterator[str]:
+        """Every key under ``prefix`` (1,000 a request), or with ``delimiter`` the common prefixes too."""
+        kw = {"Prefix": prefix, **({"Delimiter": delimiter} if delimiter else {})}
+        token = None
+        while True:
+            page = self._call(f"listing {prefix}", self.client().list_objects_v2, **kw,
+                              **({"ContinuationToken": token} if token else {}))
+            for obj in page.get("Contents", ()):
+                yield obj["Key"]
+            for p in page.get("CommonPrefixes", ()):
+                yield p["Prefix"]
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    def check_bucket(self) -> None:
+        """Refuse a missing bucket, a wrong endpoint and missing or refused credentials, in one line."""
+        try:
+            self._call("opening the bucket", self.client().head_bucket)
+        except S3Error as exc:  # HEAD answers carry no body: the status alone tells
+            if exc.status == 404:
+                raise S3Error(f"no bucket {self.bucket!r} at {self.endpoint}: create it first", 404) from None
+            if exc.status in (400, 401, 403):
+                raise S3Error(f"access denied to s3://{self.bucket} at {self.endpoint} ({exc.status}): check "
+                              f"AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and the bucket's policy", exc.status) from None
+            raise

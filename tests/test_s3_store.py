@@ -1,0 +1,278 @@
+"""The store in a bucket against a real SeaweedFS (``weed server -s3`` on loopback, tests/conftest.py):
+write-once under concurrent writers, the file store's semantics object by object, and each error
+case as one clear line."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+
+import pytest
+
+from draftfleet.objectstore import ObjectStore
+from draftfleet.schemas.config import StoreS3Section
+from draftfleet.schemas.records import (
+    DatasetEvent,
+    DatasetManifest,
+    FailureRecord,
+    GenerationSettings,
+    Message,
+    PromptTask,
+    QuarantineEntry,
+    TurnProgress,
+)
+from draftfleet.store import StoreError, open_store
+
+from .test_core import _record
+
+
+SETTINGS = GenerationSettings(model="m", max_tokens=8, temperature=0.0, top_p=1.0)
+
+
+def _failure(key: str) -> FailureRecord:
+    task = PromptTask(key=key, dataset="ds", source="f:1", messages=[Message(role="user", content="q")],
+                      settings=SETTINGS, settings_id="s", enqueued_at=0.0)
+    return FailureRecord(key=key, dataset="ds", source="f:1", reason="r", error_kind="http_400", attempts=3,
+                         backend="b", worker="w", failed_at=1.0, task=task)
+
+
+def _manifest(version: int, sid: str) -> DatasetManifest:
+    return DatasetManifest(name="ds", version=version, settings=SETTINGS, settings_id=sid, budget_tokens=None,
+                           created_at=float(version))
+
+
+def _store(s3_env, prefix: str = "run1") -> ObjectStore:
+    store = open_store(f"s3://{s3_env.bucket()}/{prefix}")
+    assert isinstance(store, ObjectStore)
+    store.prepare()
+    return store
+
+
+def test_sixteen_writers_of_one_key_leave_one_winner(s3_env):
+    """Each writer with its own client, as on separate machines; 20 keys, 16 writers each."""
+    location = _store(s3_env).location
+    stores = [open_store(location) for _ in range(16)]
+    for n in range(20):
+        key = f"{n:02x}" * 32
+        barrier, won = threading.Barrier(16), []
+
+        def put(i):
+            barrier.wait()
+            if stores[i].put(_record(key, text=f"writer {i}")):
+                won.append(i)
+
+        threads = [threading.Thread(target=put, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1, (key, won)
+        assert stores[0].get("ds", key).text == f"writer {won[0]}"  # the winner's bytes, not a later writer's
+    assert len(stores[0].keys("ds")) == 20
+
+
+def test_same_semantics_as_the_file_store(s3_env):
+    store = _store(s3_env)
+    key, other = "ab" * 32, "cd" * 32
+    assert not store.has("ds", key) and store.records("ds") is not None and store.datasets() == []
+    store.put_failure(_failure(key))
+    store.put_failure(_failure(other))
+    assert [f.key for f in store.failures("ds")] == [key, other]
+    assert store.put(_record(key)) and not store.put(_record(key, text="again"))
+    assert [f.key for f in store.failures("ds")] == [other]  # storing a result cleared its failure
+    assert store.get("ds", key).text == "t" and store.keys("ds") == {key} and store.datasets() == ["ds"]
+
+    store.put_progress(TurnProgress(dataset="ds", key=other, turns=[]))
+    assert store.progress("ds", other).key == other and store.progress_keys("ds") == {other}
+    store.clear_progress("ds", other)
+    assert store.progress("ds", other) is None and store.progress_keys("ds") == set()
+
+    bad = QuarantineEntry(file="f.jsonl", line=3, field=None, kind="bad_json", message="f.jsonl:3: bad", raw="{x", at=2.0)
+    store.quarantine("ds", [bad])
+    store.quarantine("ds", [QuarantineEntry(**{**{f: getattr(bad, f) for f in bad.__struct_fields__}, "at": 9.0})])
+    assert [q.raw for q in store.quarantined("ds")] == ["{x"]  # a re-run's rejection is kept once
+    for at in (3.0, 1.0, 2.0):
+        store.log(DatasetEvent(at=at, dataset="ds", kind="assign", assigned=["gpu"], note="pivot"))
+    assert [e.at for e in store.events("ds")] == [1.0, 2.0, 3.0]
+
+    assert store.set_aside("ds", key).startswith(f"s3://{store.bucket_name}/run1/_unreadable/ds/{key}.")
+    assert not store.has("ds", key) and store.set_aside("ds", key) is None
+
+
+def test_manifest_is_replaced_only_if_unchanged(s3_env):
+    """Two enqueues read the manifest; the second to write is refused instead of overwriting."""
+    a = _store(s3_env)
+    b = open_store(a.location)
+    assert a.manifest("ds") is None and b.manifest("ds") is None
+    a.write_manifest(_manifest(1, "s1"))
+    with pytest.raises(StoreError, match="manifest of ds in s3://.* changed while this command ran"):
+        b.write_manifest(_manifest(1, "s2"))
+    assert b.manifest("ds").settings_id == "s1"
+    b.write_manifest(_manifest(2, "s2"))  # read since: replaced
+    with pytest.raises(StoreError, match="changed while this command ran"):
+        a.write_manifest(_manifest(1, "s1"))  # a's view is its own write, older than b's
+    assert open_store(a.location).manifest("ds").settings_id == "s2"
+
+
+def test_listing_pages_past_a_thousand(s3_env):
+    store = _store(s3_env)
+    keys = {f"{i:064x}" for i in range(1005)}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        assert all(pool.map(lambda k: store.put(_record(k)), keys))
+    assert store.keys("ds") == keys
+    assert sum(1 for _ in store.records("ds")) == 1005
+
+
+def test_prepare_refuses_a_prefix_of_someone_elses(s3_env):
+    bucket = s3_env.bucket()
+    s3_env.client().put_object(Bucket=bucket, Key="data/backup.tar", Body=b"x")
+    with pytest.raises(StoreError, match=r"refusing store s3://fleet-\w+/data: it holds objects the fleet did "
+                                         r"not make \(backup.tar\)"):
+        open_store(f"s3://{bucket}/data").prepare()
+    open_store(f"s3://{bucket}/fleet").prepare()  # a prefix of its own in the same bucket is fine
+
+
+def _error(location: str, options: StoreS3Section | None = None) -> str:
+    with pytest.raises(StoreError) as exc:
+        ObjectStore(location, options).prepare()
+    text = str(exc.value)
+    assert "\n" not in text and "fleet-test-secret" not in text
+    return text
+
+
+def test_each_error_is_one_clear_line(s3_env, monkeypatch):
+    assert "no bucket 'no-such-bucket' at http://127.0.0.1:" in _error("s3://no-such-bucket/x")
+    bucket = s3_env.bucket()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fleet-test-secret-wrong")
+    assert f"access denied to s3://{bucket} at http://127.0.0.1:" in _error(f"s3://{bucket}/x")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert "no credentials for s3://" in _error(f"s3://{bucket}/x")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_env.ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.SECRET_KEY)
+    from .conftest import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert f"cannot reach s3://{bucket} at {dead}: check [store.s3] endpoint" in _error(
+        f"s3://{bucket}/x", StoreS3Section(endpoint=dead))
+    assert "bad store 's3://B/x'" in _error("s3://B/x")
+
+
+class _Unconditional(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint that answers every write 200 whatever its If-None-Match (as stores without
+    conditional writes do): the probe must catch it."""
+
+    def _answer(self, code: int, body: bytes = b"") -> None:
+        self.send_response(code)
+        self.send_header("ETag", '"0123"')
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_HEAD(self):  # noqa: N802
+        self._answer(200 if self.path.count("/") == 1 else 404)
+
+    def do_PUT(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._answer(200)
+
+    def do_DELETE(self):  # noqa: N802
+        self._answer(204)
+
+    def do_GET(self):  # noqa: N802
+        self._answer(200, b'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated></ListBucketResult>')
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_bucket_that_ignores_conditional_writes_is_refused(s3_env):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unconditional)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        text = _error("s3://plain/x", StoreS3Section(endpoint=f"http://127.0.0.1:{server.server_port}"))
+    finally:
+        server.shutdown()
+    assert "refusing store s3://plain/x: the bucket ignores If-None-Match" in text
+
+
+def test_capture_to_a_bucket_is_refused_clearly(s3_env):
+    from draftfleet.hidden import HiddenStore
+
+    with pytest.raises(StoreError, match=r"captured hidden states in an s3:// store \(s3://fleet-\w+/run1\) are not supported yet"):
+        HiddenStore(_store(s3_env))
+
+
+def test_store_location_errors_before_any_request():
+    with pytest.raises(StoreError, match="bad store 's3://x'"):
+        open_store("s3://x")
+    assert open_store("s3://bucket/a/b/").location == "s3://bucket/a/b"
+    t0 = time.monotonic()
+    assert open_store("s3://bucket").location == "s3://bucket" and time.monotonic() - t0 < 5
+
+
+@pytest.mark.slow
+def test_fleet_on_a_bucket_resumes_after_redis_lost_everything(tmp_path, s3_server, redis_server, tokenizer_dir,
+                                                               emulator_factory, workers):
+    """enqueue, a real GPU worker on the emulator, records in the bucket; Redis flushed mid-run and
+    ``enqueue`` again queues only what the bucket lacks; inventory and status read the bucket."""
+    import json
+    from collections import Counter
+
+    from draftfleet.schemas.config import load_config
+
+    from .conftest import run_cli, wait_until, write_config, write_jsonl
+    from .test_fleet import _chat_rows
+
+    emu = emulator_factory(single_stream_tps=40, ceiling_tps=5000, length="fixed:20", ttft_s=0.0)
+    data = write_jsonl(tmp_path / "d.jsonl", [*_chat_rows(40), "{not json"])
+    location = f"s3://{s3_server.bucket()}/fleet"
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url=emu.url, store=location,
+                          datasets=[{"name": "ds", "path": str(data), "max_tokens": 64, "budget_tokens": 100000}],
+                          inflight=4)
+    env = {**s3_server.env(), "REDIS_URL": redis_server.url}
+
+    def enqueue() -> dict:
+        res = run_cli("enqueue", "--config", str(config), "--json", env=env)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)[0]
+
+    first = enqueue()
+    assert (first["queued"], first["rejected"]) == (40, 1) and first["quarantine_file"] == f"{location}/_quarantine/ds/"
+    assert not (tmp_path / "store").exists()  # nothing local: the store is the bucket
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in s3_server.env().items():
+            mp.setenv(k, v)
+        store = open_store(load_config(config))
+        gpu = workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url, env=s3_server.env())
+        wait_until(lambda: len(store.keys("ds")) >= 8, 90, 0.2, lambda: f"8 results\n{workers.logs()}")
+        workers.stop(gpu)  # warm shutdown: what started finishes and is stored
+        stored = len(store.keys("ds"))
+        assert 8 <= stored < 40
+
+        redis_server.client().flushall()
+        again = enqueue()
+        assert (again["queued"], again["already_done"], again["already_queued"]) == (40 - stored, stored, 0)
+
+        emu.update(single_stream_tps=2000)
+        workers.start(config, "gpu", "--url", emu.url, redis_url=redis_server.url, env=s3_server.env())
+        wait_until(lambda: len(store.keys("ds")) == 40, 90, 0.2, lambda: f"40 results\n{workers.logs()}")
+        records = list(store.records("ds"))
+        assert Counter(r.source for r in records).most_common(1)[0][1] == 1 and len(records) == 40
+        assert [q.raw for q in store.quarantined("ds")] == ["{not json"]
+
+    res = run_cli("inventory", "--config", str(config), "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    inv = json.loads(res.stdout)[0]
+    assert inv["responses"] == 40 and inv["completion_tokens"] == sum(r.completion_tokens for r in records)
+    res = run_cli("status", "--config", str(config), "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    (ds,) = json.loads(res.stdout)["datasets"]
+    assert ds["dataset"] == "ds"
+    print(f"\n{stored} stored before Redis was flushed; status: {json.dumps(ds)[:300]}")
