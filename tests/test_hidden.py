@@ -298,7 +298,7 @@ def test_the_unit_metadata_goes_into_the_header_room_in_place(tmp_path):
 def test_a_linked_engine_file_is_stored_once_and_read_only(tmp_path):
     import stat
 
-    from draftfleet.store import link_once, open_store
+    from draftfleet.store import link_once
 
     old = os.umask(0o002)
     try:

@@ -23,7 +23,7 @@ from draftfleet.ledger import Ledger, micro_usd
 from draftfleet.reconcile import Reconciler
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import FailureRecord, Message, PromptTask
-from draftfleet.store import Store, open_store
+from draftfleet.store import FileStore, open_store
 
 from .conftest import free_port, wait_until, write_config, write_jsonl
 from .test_core import _record
@@ -84,7 +84,7 @@ def fleet(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_fact
 # -- the reconciler ----------------------------------------------------------------------------
 
 
-class _StoreWritten(Store):
+class _StoreWritten(FileStore):
     """The store as the reconciler sees it while workers run: right after it is listed, two
     more records are stored and counted (what a busy fleet does between the two reads)."""
 

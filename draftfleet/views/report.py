@@ -78,7 +78,7 @@ class Columns(msgspec.Struct):
 
 def _read(store: Store, paths: list[str], settings_id: str | None) -> Columns:
     c = Columns([], [], [], [], [], [], [], [])
-    for _path, data in store.read_many(paths):
+    for path, data in store.read_many(paths):
         try:
             if isinstance(data, OSError):
                 raise data
@@ -97,7 +97,7 @@ def _read(store: Store, paths: list[str], settings_id: str | None) -> Columns:
         c.cost.append(r.cost_usd)
         c.at.append(r.created_at)
         c.imported.append(r.worker == IMPORTED_BY)
-        c.keys.append(os.path.basename(path)[:-5])
+        c.keys.append(path.rsplit("/", 1)[-1][:-5])
         c.prompt_tokens += r.prompt_tokens
         c.units += len(r.turns) or 1
         act = c.activity.get(r.backend)
