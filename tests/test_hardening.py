@@ -181,17 +181,17 @@ class TestStoreRoot:
         def second_worker_looks_first(src, dst):
             if str(dst).endswith(store_module.MARKER) and not looked:
                 looked.append(sorted(os.listdir(root)))  # the temp file, no marker yet
-                Store(root).prepare()
+                open_store(root).prepare()
             replace(src, dst)
 
         monkeypatch.setattr(os, "replace", second_worker_looks_first)
-        Store(root).prepare()
+        open_store(root).prepare()
         assert looked and looked[0][0].startswith(".tmp-") and (root / store_module.MARKER).is_file()
         assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
         (tmp_path / "other").mkdir()
         (tmp_path / "other" / ".tmp-notours.txt").write_text("x")  # only the fleet's own temp names pass
         with pytest.raises(StoreError, match="notours"):
-            Store(tmp_path / "other").prepare()
+            open_store(tmp_path / "other").prepare()
 
     def test_enqueue_refuses_a_system_folder_as_store(self, tmp_path, tokenizer_dir, redis_server):
         data = write_jsonl(tmp_path / "data" / "p.jsonl", [{"prompt": "hi"}])
