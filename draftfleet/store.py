@@ -315,6 +315,12 @@ class Store(ABC):
     @abstractmethod
     def progress_keys(self, dataset: str) -> set[str]: ...
 
+    def paid_tokens(self, dataset: str) -> int:
+        """Completion tokens of the kept turns of conversations with no record yet: paid, so spent
+        from the budget (what the reconciler rebuilds the ledger's ``paid_tokens`` from)."""
+        return sum(t.completion_tokens for key in self.progress_keys(dataset) if not self.has(dataset, key)
+                   for t in getattr(self.progress(dataset, key), "turns", []))
+
     # -- what only grows -----------------------------------------------------------------
     @abstractmethod
     def quarantine_location(self, dataset: str) -> str:
@@ -513,12 +519,6 @@ class FileStore(Store):
         """The keys of the conversations with completed turns kept (file names only)."""
         base = self.root / "_progress" / check_name(dataset)
         return {p.name[:-5] for p in base.glob("[!.]*.json")} if base.is_dir() else set()
-
-    def paid_tokens(self, dataset: str) -> int:
-        """Completion tokens of the kept turns of conversations with no record yet: paid, so spent
-        from the budget (what the reconciler rebuilds the ledger's ``paid_tokens`` from)."""
-        return sum(t.completion_tokens for key in self.progress_keys(dataset) if not self.has(dataset, key)
-                   for t in getattr(self.progress(dataset, key), "turns", []))
 
     # -- quarantine ----------------------------------------------------------------------
     def quarantine_path(self, dataset: str) -> Path:

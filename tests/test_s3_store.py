@@ -271,6 +271,16 @@ def test_fleet_on_a_bucket_resumes_after_redis_lost_everything(tmp_path, s3_serv
     assert res.returncode == 0, res.stderr
     inv = json.loads(res.stdout)[0]
     assert inv["responses"] == 40 and inv["completion_tokens"] == sum(r.completion_tokens for r in records)
+    res = run_cli("export", "--config", str(config), "-f", "raw", "--out", str(tmp_path / "export"), "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)[0]["records"] == 40
+    exported = [json.loads(x) for x in (tmp_path / "export" / "ds.raw_responses.jsonl").read_text().splitlines()]
+    assert sorted(r["completion_tokens"] for r in exported) == sorted(r.completion_tokens for r in records)
+    assert len(exported) == 40
+    out = tmp_path / "report.html"
+    res = run_cli("report", "--config", str(config), "--out", str(out), env=env)
+    assert res.returncode == 0, res.stderr
+    assert f"store {location}" in out.read_text()
     res = run_cli("status", "--config", str(config), "--json", env=env)
     assert res.returncode == 0, res.stderr
     (ds,) = json.loads(res.stdout)["datasets"]

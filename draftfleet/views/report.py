@@ -475,7 +475,7 @@ def build_report(store: Store, datasets: list[dict], title: str = "draftfleet re
     made = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
-            f'<p class="note">store {_e(store.root)}, made {_e(made)}: the store is the truth; pivots and budget '
+            f'<p class="note">store {_e(store.location)}, made {_e(made)}: the store is the truth; pivots and budget '
             "changes from its log; retries from the fleet's counters when Redis was at hand</p>"
             + "".join(sections) + "</body></html>\n")
 
