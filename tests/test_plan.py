@@ -21,7 +21,7 @@ from draftfleet.producer.readers import read_prompts
 from draftfleet.queues import next_task
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import Message, ResponseRecord, Turn, TurnProgress, Usage, WorkerReport
-from draftfleet.store import open_store
+from draftfleet.store import Store, open_store
 from draftfleet.views.metrics import FleetCollector
 from draftfleet.views.plan import BackendMeasure, budget_from_store, plan_dataset
 from draftfleet.views.status import render, snapshot
@@ -373,7 +373,7 @@ def test_a_new_conversation_reserves_its_turns_in_every_view_as_admission_does(t
         {"role": "user", "content": f"conversation {i} turn {t}"}, {"role": "assistant", "content": "x"})]}
         for i in range(6)])
     cfg = load_config(config)
-    store = Store(cfg.fleet.store)
+    store = open_store(cfg)
     r = redis_server.client()
     env = {"REDIS_URL": redis_server.url}
     cp = run_cli("enqueue", "--config", str(config), "--json", env=env)
