@@ -129,6 +129,16 @@ def test_redis_persists_and_reports_health(services):
     assert "redis" not in services["seaweedfs"].get("depends_on", {})
 
 
+def test_images_hold_the_s3_client():
+    """A store in a bucket needs the `s3` extra (boto3) in the image every fleet service runs."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("boto3") for d in extras["s3"])
+    base = (REPO / "Dockerfile").read_text().split(" AS base", 1)[1].split("\nFROM ", 1)[0]
+    assert re.search(r"pip install \"?\.\[s3\]", base), base
+
+
 def test_one_store_volume_shared_by_every_fleet_service(compose, services):
     assert "store" in compose["volumes"]
     for name, svc in _fleet_services(services).items():

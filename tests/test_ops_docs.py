@@ -125,3 +125,21 @@ def test_bucket_section_matches_compose_and_cli():
     fleet = yaml.safe_load(compose_text)["services"]["cloud"]["environment"]
     for var in ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         assert f"`{var}`" in section and var in fleet, var
+
+
+def test_bucket_section_names_the_real_settings():
+    """The section's `[store.s3]` keys are the config's, its extra is pyproject's, and the refusal it
+    quotes is the store's own line."""
+    import tomllib
+
+    from draftfleet.schemas.config import StoreS3Section
+
+    section = re.sub(r"\s+", " ", _section((REPO / "ops" / "scaling.md").read_text(), "## 3. Or one store in a bucket"))
+    named = set(re.findall(r"`\[store\.s3\]` \((`\w+`(?:, `\w+`)*)\)", section)[0].replace("`", "").split(", "))
+    named |= set(re.findall(r"`\[store\.s3\] (\w+)`", section))
+    assert named == set(StoreS3Section.__struct_fields__), named
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (extra,) = re.findall(r"pip install 'draftfleet\[(\w+)\]'", section)
+    assert any(d.startswith("boto3") for d in extras[extra]), extras[extra]
+    (refusal,) = re.findall(r"\(`(the bucket ignores If-None-Match) \.\.\.`\)", section)
+    assert refusal in (REPO / "draftfleet" / "objectstore.py").read_text()
