@@ -210,6 +210,34 @@ def _run_args(svc, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     return argv, {"PATH": os.environ["PATH"], "HOME": env["HOME"], **environ}
 
 
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid``: ``timeout`` puts ``weed shell`` in a process group
+    of its own, so killing the script's group would leave it running."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # pid (comm) state ppid pgrp session
+            try:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _run(argv: list[str], environ: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run a compose script in a session of its own; on a timeout everything it started goes."""
+    proc = subprocess.Popen(argv, env=environ, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def _s3(endpoint: str, key: str, secret: str, signed: bool = True):
     import boto3
     from botocore import UNSIGNED
@@ -245,7 +273,7 @@ def test_seaweedfs_scripts_run_the_real_weed(services, tmp_path):
     # no credentials, or ones that would break the identity file's JSON: refused at once
     for creds in ({}, {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": 'a"b'}):
         argv, environ = _run_args(services["seaweedfs"], {**base, **creds})
-        res = subprocess.run(argv, env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+        res = _run(argv, environ, tmp_path, 30)
         assert res.returncode == 1 and "AWS_ACCESS_KEY_ID" in res.stderr, res
 
     env = {**base, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "DRAFTFLEET_STORE": "s3://fleet-data/run1"}
@@ -277,12 +305,12 @@ def test_seaweedfs_scripts_run_the_real_weed(services, tmp_path):
 
         bucket_argv, bucket_env = _run_args(services["seaweedfs-bucket"], env)
         bucket_argv += [f"-master=127.0.0.1:{ports['master.port']}.{grpc['master.port']}"]  # weed's host:port.grpc
-        made = subprocess.run(bucket_argv, env=bucket_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        made = _run(bucket_argv, bucket_env, tmp_path, 60)
         assert made.returncode == 0 and "made bucket fleet-data" in made.stdout, made
-        again = subprocess.run(bucket_argv, env=bucket_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        again = _run(bucket_argv, bucket_env, tmp_path, 60)
         assert again.returncode == 0 and "bucket fleet-data is there" in again.stdout, again
         _, no_store = _run_args(services["seaweedfs-bucket"], base)
-        refused = subprocess.run(bucket_argv, env=no_store, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        refused = _run(bucket_argv, no_store, tmp_path, 60)
         assert refused.returncode == 1 and "DRAFTFLEET_STORE=s3://" in refused.stderr, refused
 
         s3 = _s3(endpoint, key, secret)
@@ -294,7 +322,7 @@ def test_seaweedfs_scripts_run_the_real_weed(services, tmp_path):
         assert _code(lambda: _s3(endpoint, key, "wrong").list_objects_v2(Bucket="fleet-data")) == 403
         assert _code(lambda: _s3(endpoint, "", "", signed=False).get_object(Bucket="fleet-data", Key="run1/probe")) == 403
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc.pid)
         proc.wait()
         log.close()
         for f, p in grpc.items():  # `weed server` puts each gRPC socket in /tmp whatever it is told
