@@ -32,7 +32,8 @@ def test_bench_vllm_runs(tmp_path):
 
 CAPTURE_SMALLEST = ["--capture-concurrency", "4", "--capture-warmup", "2", "--capture-window", "6",
                     "--capture-answer", "32", "--capture-units", "200", "--capture-alone-units", "10",
-                    "--capture-repeats", "1", "--capture-conversations", "4"]
+                    "--capture-repeats", "1", "--capture-conversations", "4",
+                    "--capture-solo-units", "6", "--capture-solo-blocks", "1"]
 
 
 @pytest.mark.slow
@@ -49,3 +50,4 @@ def test_bench_capture_runs(tmp_path):
     report = out.read_text()
     assert '<a id="capture"></a>' in report and "write amplification" in report
     assert "three-turn conversations captured once: engine tokens" in report
+    assert "Alone against alone: 1 blocks of three phases" in report
