@@ -12,7 +12,6 @@ import math
 import pytest
 
 from draftfleet import redis_keys as rk
-from draftfleet.conversation import runs
 from draftfleet.ledger import Ledger
 from draftfleet.reconcile import Reconciler
 from draftfleet.schemas.config import load_config
