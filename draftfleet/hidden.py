@@ -39,6 +39,7 @@ little-endian data).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -148,19 +149,28 @@ def capture_settings(cfg: FleetConfig) -> tuple[TargetModel, list[int]]:
 
 
 def storage_path(cfg: FleetConfig) -> str:
-    """Where the engine's connector writes each request's file (the worker moves it into the store)."""
-    return cfg.capture.storage_path or str(Path(cfg.fleet.store) / HIDDEN_DIR / "_incoming")
+    """Where the engine's connector writes each request's file (the worker moves it into the store,
+    or uploads it to a bucket store and removes it): ``[capture] storage_path``, else the store's
+    ``_hidden/_incoming``, or for a store in a bucket ``<cache>/draftfleet/capture-incoming``
+    (``$XDG_CACHE_HOME`` or ``~/.cache``) on local disk."""
+    if cfg.capture.storage_path:
+        return cfg.capture.storage_path
+    if cfg.fleet.store.startswith("s3://"):
+        return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftfleet" / "capture-incoming")
+    return str(Path(cfg.fleet.store) / HIDDEN_DIR / "_incoming")
 
 
 def check_storage(cfg: FleetConfig, storage: str | Path) -> None:
     """Refuse an engine storage folder on another file system than the store (its files are linked
-    into the store, never copied) unless ``[capture] copy``; refuse a store in a bucket for now."""
-    if cfg.fleet.store.startswith("s3://"):
-        raise CaptureError(f"capture to an s3:// store ({cfg.fleet.store}) is not supported yet: capture into a "
-                           "store folder ([fleet] store = a path)")
+    into the store, never copied) unless ``[capture] copy``. For a store in a bucket any local
+    folder the worker can write does: each file is uploaded from it once, then removed."""
     folder = Path(storage)
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        if cfg.fleet.store.startswith("s3://"):
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable")
+            return
         same = os.stat(folder).st_dev == os.stat(cfg.fleet.store).st_dev
     except OSError as exc:
         raise CaptureError(f"{folder}: cannot use it as the engine's storage_path ({exc.strerror or exc})") from None
@@ -298,23 +308,39 @@ _ITEMSIZE = {name: np.dtype(t).itemsize for name, t in _DTYPES.items()}
 MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 
-def _header(path: str | Path, fh: BinaryIO | None = None) -> tuple[dict, int]:
+def _header(path: str | Path, fh: BinaryIO | None = None, size: int | None = None) -> tuple[dict, int]:
     """The checked header of a safetensors file (tensor entries and ``__metadata__``) and where
     its data starts. Anything malformed (short, a header that is not JSON or not objects, an
     unknown dtype, a shape or offsets that do not fit the file) raises ``ValueError`` naming the
-    file and the part: an engine or a disk can hand over any bytes."""
+    file and the part: an engine or a disk can hand over any bytes. ``fh``: read from it (a stream,
+    such as an object's body, with its ``size``), at its start."""
     if fh is None:
         with open(path, "rb") as own:
             return _header(path, own)
-    size = os.fstat(fh.fileno()).st_size
-    head = fh.read(8)
+    if size is None:
+        size = os.fstat(fh.fileno()).st_size
+    n = header_length(path, fh.read(8), size)
+    raw = fh.read(n)
+    if len(raw) != n:
+        raise ValueError(f"{path}: {len(raw)} header bytes read of {n} (the file shrank)")
+    return parse_header(path, raw, size), 8 + n
+
+
+def header_length(path: str | Path, head: bytes, size: int) -> int:
+    """The JSON header's length from a file's first 8 bytes, checked to fit its ``size``."""
     if len(head) < 8:
         raise ValueError(f"{path}: {size} bytes, not a safetensors file (no 8-byte header length)")
-    (n,) = struct.unpack("<Q", head)
+    (n,) = struct.unpack("<Q", head[:8])
     if n > MAX_HEADER or 8 + n > size:
         raise ValueError(f"{path}: header length {n} does not fit the file's {size} bytes")
+    return n
+
+
+def parse_header(path: str | Path, raw: bytes, size: int) -> dict:
+    """The JSON header ``raw`` of a file of ``size`` bytes, every entry checked (see ``_header``)."""
+    n = len(raw)
     try:
-        header = json.loads(fh.read(n))
+        header = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"{path}: the header is not JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -337,7 +363,7 @@ def _header(path: str | Path, fh: BinaryIO | None = None) -> tuple[dict, int]:
             raise ValueError(f"{path}: tensor {name!r} has data_offsets {offsets!r} outside its {data_len} data bytes")
         if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
             raise ValueError(f"{path}: tensor {name!r} of shape {shape} {dtype} holds {offsets[1] - offsets[0]} bytes")
-    return header, 8 + n
+    return header
 
 
 def _read_tensor(fh: BinaryIO, info: dict, offset: int) -> np.ndarray:
@@ -383,17 +409,22 @@ def read_sealed(path: str | Path, fh: BinaryIO) -> tuple[dict[str, tuple[str, np
 DIGEST_KEY = "tensors_sha256"
 
 
-def verify_digest(path: str | Path) -> bool:
+def verify_digest(path: str | Path, fh: BinaryIO | None = None, size: int | None = None) -> bool:
     """Whether a stored file's tensors are still the ones sealed: True when its data hashes to its
     :data:`DIGEST_KEY`, False when it has none (stored before files were sealed); ``ValueError``
-    naming the file when they differ or the file is malformed. Reads the file once, in pieces."""
-    with open(path, "rb") as fh:
-        header, offset = _header(path, fh)
-        want = (header.get("__metadata__") or {}).get(DIGEST_KEY)
-        if want is None:
-            return False
-        fh.seek(offset)
-        got = hashlib.file_digest(fh, "sha256").hexdigest()
+    naming the file when they differ or the file is malformed. Reads the file once, in pieces;
+    ``fh`` (and ``size``): from this stream instead, such as an object's body."""
+    if fh is None:
+        with open(path, "rb") as own:
+            return verify_digest(path, own)
+    header, _offset = _header(path, fh, size)
+    want = (header.get("__metadata__") or {}).get(DIGEST_KEY)
+    if want is None:
+        return False
+    h = hashlib.sha256()
+    for chunk in iter(lambda: fh.read(1 << 20), b""):
+        h.update(chunk)
+    got = h.hexdigest()
     if got != want:
         raise ValueError(f"{path}: its tensors changed after they were stored ({DIGEST_KEY} {want[:16]}.. sealed, "
                          f"{got[:16]}.. now): it is not the captured file; capture the unit again (remove the file, "
@@ -462,15 +493,58 @@ class StoredFile(NamedTuple):
     mtime: float
 
 
-class HiddenStore:
-    """The hidden-state files of a store, per dataset and capture version."""
+class Hidden:
+    """What every kind of hidden store shares: totals from ``entries``. ``open_hidden`` gives the
+    store's kind: files under the store's folder (:class:`HiddenStore`) or objects in its bucket
+    (``hidden_bucket.BucketHidden``), with the same methods and the same layout."""
+
+    local = True
+
+    def entries(self, dataset: str, version: int) -> Iterator[StoredFile]:
+        raise NotImplementedError
+
+    def usage(self, dataset: str, version: int) -> tuple[int, int, int]:
+        """(files, tokens, bytes) of a version: sizes from the listing, tokens from each header."""
+        u = self.turn_usage(dataset, version)
+        return u[0], u[2], u[3]
+
+    def turn_usage(self, dataset: str, version: int) -> tuple[int, int, int, int]:
+        """(files, record turns they hold, tokens, bytes): a conversation's file holds all its turns."""
+        files = turns = tokens = size = 0
+        for e in self.entries(dataset, version):
+            files, turns, tokens, size = files + 1, turns + e.turns, tokens + e.tokens, size + e.bytes
+        return files, turns, tokens, size
+
+
+def open_hidden(store: Store) -> Hidden:
+    """The hidden states of ``store``, in its folder or in its bucket."""
+    if store.local:
+        return HiddenStore(store)
+    from draftfleet.hidden_bucket import BucketHidden
+
+    return BucketHidden(store)
+
+
+def held_turns(header: dict, turn: int) -> int:
+    """The record turns a stored file holds: a conversation's file all of its answers' spans."""
+    return len(json.loads((header.get("__metadata__") or {})["spans"])) if turn == CONVERSATION else 1
+
+
+class HiddenStore(Hidden):
+    """The hidden-state files of a store in a folder, per dataset and capture version."""
 
     def __init__(self, store: Store):
         if not store.local:
-            raise StoreError(f"captured hidden states in an s3:// store ({store.location}) are not supported yet: "
-                             "capture into a store folder ([fleet] store = a path)")
+            raise StoreError(f"{store.location} is a bucket: its hidden states are open_hidden's (hidden_bucket.py)")
         self.store = store
         self.root = store.root / HIDDEN_DIR
+
+    @classmethod
+    def at(cls, root: str | Path) -> HiddenStore:
+        """The same layout under another folder (an export's local copy of a bucket's files)."""
+        self = cls.__new__(cls)
+        self.store, self.root = None, Path(root)
+        return self
 
     def version_dir(self, dataset: str, version: int) -> Path:
         return self.root / check_name(dataset) / f"v{int(version)}"
@@ -520,18 +594,6 @@ class HiddenStore:
                         turn = m.group(2)
                         yield m.group(1), CONVERSATION if turn == "conversation" else int(turn), e.path
 
-    def usage(self, dataset: str, version: int) -> tuple[int, int, int]:
-        """(files, tokens, bytes) of a version: sizes from the directory, tokens from each header."""
-        u = self.turn_usage(dataset, version)
-        return u[0], u[2], u[3]
-
-    def turn_usage(self, dataset: str, version: int) -> tuple[int, int, int, int]:
-        """(files, record turns they hold, tokens, bytes): a conversation's file holds all its turns."""
-        files = turns = tokens = size = 0
-        for e in self.entries(dataset, version):
-            files, turns, tokens, size = files + 1, turns + e.turns, tokens + e.tokens, size + e.bytes
-        return files, turns, tokens, size
-
     def verify(self, dataset: str, version: int) -> tuple[int, int, list[str]]:
         """Every stored file of a version read against its digest: (files whose tensors are the ones
         sealed, files without a digest (stored before files were sealed), why each other one is bad)."""
@@ -557,7 +619,7 @@ class HiddenStore:
             try:
                 header, _offset = _header(Path(path))
                 n = int(header["token_ids"]["shape"][0])
-                held = len(json.loads((header.get("__metadata__") or {})["spans"])) if turn == CONVERSATION else 1
+                held = held_turns(header, turn)
                 st = os.stat(path)
             except (OSError, ValueError, KeyError, TypeError):
                 continue

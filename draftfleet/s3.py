@@ -13,6 +13,7 @@ write: try again) are told apart by ``status``.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Iterator
@@ -171,3 +172,100 @@ class Bucket:
                 raise S3Error(f"access denied to s3://{self.bucket} at {self.endpoint} ({exc.status}): check "
                               f"AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and the bucket's policy", exc.status) from None
             raise
+
+    # -- files: written once from an open descriptor, read back in ranges or streams -------------
+    PART_SIZE = 64 << 20  # a multipart upload's part, what one request holds in memory
+    MIN_PART = 5 << 20  # S3's least part size (all parts but the last)
+
+    def put_file(self, key: str, fd: int, *, part_size: int | None = None) -> str:
+        """Store the file open on ``fd`` at ``key`` only if nothing is there: its ETag; a 412
+        ``S3Error`` when another writer stored it first, 409 when one was storing it at that moment.
+
+        The bytes are read with ``pread`` on ``fd``, never through a path: the file stored is the
+        one held. Up to ``part_size`` (default ``PART_SIZE``) it is one ``PutObject`` with
+        ``If-None-Match: *``; a larger one goes up in parts and becomes visible by
+        ``CompleteMultipartUpload`` with the same condition; a failed multipart upload is aborted,
+        so no parts are left billed. Every body byte handed to a request counts in ``sent_bytes``."""
+        part = max(part_size or self.PART_SIZE, self.MIN_PART)
+        size = os.fstat(fd).st_size
+        if size <= part:
+            data = _pread_all(fd, size, 0)
+            try:
+                return self._call(f"writing {key}", self.client().put_object, Key=key, Body=data,
+                                  IfNoneMatch="*")["ETag"]
+            finally:
+                self._sent(len(data))
+        client = self.client()
+        upload = self._call(f"starting an upload of {key}", client.create_multipart_upload, Key=key)["UploadId"]
+        try:
+            parts = []
+            for number, offset in enumerate(range(0, size, part), 1):
+                data = _pread_all(fd, min(part, size - offset), offset)
+                try:
+                    r = self._call(f"writing part {number} of {key}", client.upload_part, Key=key, UploadId=upload,
+                                   PartNumber=number, Body=data)
+                finally:
+                    self._sent(len(data))
+                parts.append({"PartNumber": number, "ETag": r["ETag"]})
+            return self._call(f"writing {key}", client.complete_multipart_upload, Key=key, UploadId=upload,
+                              MultipartUpload={"Parts": parts}, IfNoneMatch="*")["ETag"]
+        except BaseException:
+            try:
+                self._call(f"aborting the upload of {key}", client.abort_multipart_upload, Key=key, UploadId=upload)
+            except S3Error:
+                pass  # the bucket's lifecycle rule for incomplete uploads is the last resort
+            raise
+
+    sent_bytes = 0  # body bytes put_file handed to requests, this process (bytes uploaded / bytes stored)
+
+    def _sent(self, n: int) -> None:
+        with self._lock:
+            self.sent_bytes += n
+
+    def get_range(self, key: str, start: int, length: int) -> tuple[bytes, int] | None:
+        """Up to ``length`` bytes of the object from ``start`` and its whole size; None when there is none."""
+        try:
+            r = self._call(f"reading {key}", self.client().get_object, Key=key,
+                           Range=f"bytes={start}-{start + length - 1}")
+        except S3Error as exc:
+            if exc.status == 404:
+                return None
+            if exc.status == 416:  # nothing at start (an empty object)
+                return b"", start
+            raise
+        whole = str(r.get("ContentRange") or "").rpartition("/")[2]
+        return r["Body"].read(), int(whole) if whole.isdigit() else int(r["ContentLength"])
+
+    def open(self, key: str):
+        """The object's body as a stream (``read(n)``) and its size; None when there is none."""
+        try:
+            r = self._call(f"reading {key}", self.client().get_object, Key=key)
+        except S3Error as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return r["Body"], int(r["ContentLength"])
+
+    def list_sized(self, prefix: str) -> Iterator[tuple[str, int, float]]:
+        """(key, size, last-modified time) of every object under ``prefix``, 1,000 a request."""
+        token = None
+        while True:
+            page = self._call(f"listing {prefix}", self.client().list_objects_v2, Prefix=prefix,
+                              **({"ContinuationToken": token} if token else {}))
+            for obj in page.get("Contents", ()):
+                yield obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp()
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    """Exactly ``n`` bytes at ``offset`` of ``fd`` (a file that shrank meanwhile: ``OSError``)."""
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            raise OSError(errno.EIO, f"the file shrank while it was uploaded ({offset + got} of {offset + n} bytes)")
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -202,13 +202,6 @@ def test_a_bucket_that_ignores_conditional_writes_is_refused(s3_env):
     assert "refusing store s3://plain/x: the bucket ignores If-None-Match" in text
 
 
-def test_capture_to_a_bucket_is_refused_clearly(s3_env):
-    from draftfleet.hidden import HiddenStore
-
-    with pytest.raises(StoreError, match=r"captured hidden states in an s3:// store \(s3://fleet-\w+/run1\) are not supported yet"):
-        HiddenStore(_store(s3_env))
-
-
 def test_store_location_errors_before_any_request():
     with pytest.raises(StoreError, match="bad store 's3://x'"):
         open_store("s3://x")

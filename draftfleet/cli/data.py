@@ -73,13 +73,13 @@ def cmd_export(args) -> int:
                                     tokenizer=tok, version=args.version, all_versions=args.all_versions)
                      for name in names] if text_formats else []
         if hidden_formats:
-            from draftfleet.hidden import CaptureError, HiddenStore, capture_settings
+            from draftfleet.hidden import CaptureError, capture_settings, open_hidden
 
             try:
                 model_path = capture_settings(cfg)[0].path if cfg else None
             except CaptureError:
                 model_path = None
-            captured = names if args.dataset else [n for n in names if HiddenStore(store).versions(n)]
+            captured = names if args.dataset else [n for n in names if open_hidden(store).versions(n)]
             template = (tok or optional_tokenizer(args, cfg)) if captured else None
             found = [features.export_features(store, name, args.out, hidden_formats, model_path=model_path,
                                               version=args.capture_version, torch_python=args.torch_python,

@@ -396,11 +396,9 @@ def run_inventory(
 def _hidden_inventory(store: Store, inv: DatasetInventory, verify: bool = False) -> HiddenInventory | None:
     """The latest capture version's files, and what the rest will take: every turn's prompt and answer
     tokens (what capture feeds the engine) not captured yet, plus the budget left with its prompts."""
-    from draftfleet.hidden import HiddenStore, measured_bytes_per_token, projected_bytes
+    from draftfleet.hidden import measured_bytes_per_token, open_hidden, projected_bytes
 
-    if not store.local:  # capture to a bucket is refused: nothing to show
-        return None
-    hidden = HiddenStore(store)
+    hidden = open_hidden(store)
     m = hidden.manifest(inv.dataset)
     if m is None:
         return None

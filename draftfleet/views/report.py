@@ -344,11 +344,9 @@ def reasons_chart(counts: dict[str, int]) -> str | None:
 
 def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, str]:
     """Captured turns over time (the files' times) against the units, and the bytes they take."""
-    from draftfleet.hidden import HiddenStore
+    from draftfleet.hidden import open_hidden
 
-    if not store.local:
-        return None, f"no hidden-state capture: not supported in {store.location} yet"
-    hidden = HiddenStore(store)
+    hidden = open_hidden(store)
     m = hidden.manifest(dataset)
     if m is None:
         return None, "no hidden-state capture for this dataset"
