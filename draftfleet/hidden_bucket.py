@@ -27,7 +27,7 @@ from draftfleet.hidden import (_FILE_RE, CONVERSATION, HIDDEN_DIR, MANIFEST, Hid
 from draftfleet.objectstore import READ_THREADS, ObjectStore
 from draftfleet.s3 import S3Error
 from draftfleet.schemas.records import CaptureManifest, turn_name
-from draftfleet.store import StoreError, check_key, check_name, make_dirs
+from draftfleet.store import FILE_MODE, StoreError, check_key, check_name, make_dirs
 
 HEAD_READ = 16 << 10  # a header's first ranged GET: the connector's 4 KiB room and the tensor entries fit
 _VERSION_RE = re.compile(r"^v(\d+)/$")
@@ -163,11 +163,12 @@ class BucketHidden(Hidden):
 
     # -- a local copy for the trainers -----------------------------------------------------
     def download(self, dataset: str, version: int, cache: str | Path,
-                 progress: Callable[[int, int], None] | None = None) -> HiddenStore:
-        """Copy a version's manifest and files to ``cache`` (laid out as a store's ``_hidden``) and
-        return the folder store over them. Resumable: a file already there with the listed size and
-        its sealed digest is kept; each download goes to ``<name>.part`` and is renamed once whole.
-        ``progress(bytes, total)`` is called as bytes arrive (``total``: of the files to fetch)."""
+                 progress: Callable[[int, int], None] | None = None, keys: set[str] | None = None) -> HiddenStore:
+        """Copy a version's manifest and files (only the units of ``keys`` when given) to ``cache``
+        (laid out as a store's ``_hidden``) and return the folder store over them. Resumable: a file
+        already there with the listed size and its sealed digest is kept; each download goes to
+        ``<name>.part`` and is renamed, read-only, once whole. ``progress(bytes, total)`` is called
+        as bytes arrive (``total``: of the files to fetch)."""
         local = HiddenStore.at(cache)
         m = self.manifest(dataset, version)
         if m is None:
@@ -176,7 +177,7 @@ class BucketHidden(Hidden):
         make_dirs(man.parent)
         man.write_bytes(msgspec.json.format(msgspec.json.encode(m)))
         todo = [(name, local.path(dataset, version, key, turn), size)
-                for key, turn, name, size, _mtime in self._listing(dataset, version)]
+                for key, turn, name, size, _mtime in self._listing(dataset, version) if keys is None or key in keys]
         todo = [t for t in todo if not _complete(t[1], t[2])]
         total, done = sum(t[2] for t in todo), 0
         if progress:
@@ -203,6 +204,7 @@ class BucketHidden(Hidden):
                 os.fsync(fh.fileno())
         finally:
             body.close()
+        os.chmod(part, FILE_MODE)
         os.replace(part, path)
         return n
 

@@ -26,9 +26,9 @@ from celery import Celery
 
 from draftfleet import redis_keys as rk
 from draftfleet.conversation import record_turns
-from draftfleet.hidden import (CONVERSATION, DTYPES, CaptureError, HiddenStore, bytes_per_token, capture_settings,
-                               check_storage, conversation_spans, measured_bytes_per_token, projected_bytes,
-                               storage_path)
+from draftfleet.hidden import (CONVERSATION, DTYPES, CaptureError, Hidden, bytes_per_token, capture_settings,
+                               check_storage, conversation_spans, measured_bytes_per_token, open_hidden,
+                               projected_bytes, storage_path)
 from draftfleet.producer.sender import PUBLISH_BATCH, TaskSender
 from draftfleet.queues import claimed_units, lost_claims_settle_s, waiting_ids
 from draftfleet.schemas.config import FleetConfig
@@ -50,7 +50,7 @@ class CaptureSummary(msgspec.Struct, kw_only=True):
     running: int = 0  # held by a running capture worker now (its claim): not sent again
     tokens_to_capture: int
     bytes_estimate: int
-    free_bytes: int
+    free_bytes: int | None  # the store's file system's; None: a store in a bucket
     bytes_per_token: float  # the version's (its files' once it has some), in its dtype
     budget_tokens_left: int | None  # answer tokens the dataset's budget has left to generate
     projected_bytes: int  # bytes_estimate plus the states of what the budget has left (with its prompts)
@@ -62,7 +62,7 @@ class CaptureSummary(msgspec.Struct, kw_only=True):
     notes: list[str] = []
 
 
-def existing_version(hidden: HiddenStore, wanted: CaptureManifest, new_version: bool) -> CaptureManifest | None:
+def existing_version(hidden: Hidden, wanted: CaptureManifest, new_version: bool) -> CaptureManifest | None:
     """The latest version if its settings are ``wanted``'s; None when a new one is to start."""
     current = hidden.manifest(wanted.dataset)
     if current is None or new_version:
@@ -77,7 +77,7 @@ def existing_version(hidden: HiddenStore, wanted: CaptureManifest, new_version: 
         f"{wanted.hidden_size}): pass --new-version to start version {current.version + 1}")
 
 
-def start_version(hidden: HiddenStore, wanted: CaptureManifest) -> CaptureManifest:
+def start_version(hidden: Hidden, wanted: CaptureManifest) -> CaptureManifest:
     """Write the manifest of the next version (the first one written wins a race) and return it."""
     current = hidden.manifest(wanted.dataset)
     version = current.version + 1 if current is not None else 1
@@ -97,7 +97,7 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
     records = records or select(store, dataset)
     model, layer_ids = capture_settings(cfg)
     check_storage(cfg, storage_path(cfg))  # the engine's files are linked into the store: same file system
-    hidden = HiddenStore(store)
+    hidden = open_hidden(store)
     wanted = CaptureManifest(dataset=dataset, version=0, model=cfg.fleet.model, model_config_sha256=model.config_sha256,
                              num_layers=model.num_layers, hidden_size=model.hidden_size, layer_ids=layer_ids,
                              dtype=DTYPES[cfg.capture.dtype], created_at=time.time(),
@@ -108,6 +108,8 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
     units = turns = done = unit_tokens = completion_tokens = spent = once = per_turn = 0
     reason = None
     version = existing.version if existing is not None else None
+    # what is stored, from one listing (a bucket answers a HEAD per unit far slower)
+    stored = {(k, t) for k, t, _ in hidden.files(dataset, version)} if version is not None else set()
     for rec in store.records(dataset):
         spent += rec.completion_tokens or len(rec.output_ids)  # the budget counts every version's records
         if not records.takes(rec):
@@ -128,7 +130,7 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
             units += 1
             turns += held
             unit_tokens += n
-            if version is not None and hidden.has(dataset, version, rec.key, turn):
+            if (rec.key, turn) in stored:
                 done += 1
                 continue
             pending.append((CaptureTask(dataset=dataset, key=rec.key, turn=turn, version=0), n))
@@ -139,8 +141,9 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
     budget = cfg.dataset(dataset).budget_tokens if any(d.name == dataset for d in cfg.datasets) else None
     left = max(0, budget - spent) if budget else None
     projected = projected_bytes(bpt, tokens, left, unit_tokens, completion_tokens)
-    free = shutil.disk_usage(store.root).free
-    if need > free and not ignore_space:
+    # a bucket has no free space to ask: the engine's local folder holds only the files in flight
+    free = shutil.disk_usage(store.root).free if store.local else None
+    if free is not None and need > free and not ignore_space:
         raise CaptureError(f"{dataset}: capturing {len(pending):,} record turns ({tokens:,} tokens) needs about "
                            f"{need / 1e9:,.1f} GB and {store.root} has {free / 1e9:,.1f} GB free: make room, or pass "
                            "--ignore-space to start anyway")

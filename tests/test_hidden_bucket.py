@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import msgspec
 import numpy as np
@@ -149,6 +150,8 @@ def test_a_version_is_downloaded_once_and_resumes(s3_env, tmp_path):
     assert seen[-1] == (sum(map(len, units.values())),) * 2
     # one copy damaged, one cut short, one left as a .part: only those two are fetched again
     first, second = (local.path("ds", 1, k, 0) for k in list(units)[:2])
+    assert not first.stat().st_mode & 0o222  # read-only, as the store's files
+    first.chmod(0o644)
     first.write_bytes(first.read_bytes()[:-1] + b"\x00")
     second.rename(second.with_name(second.name + ".part"))
     seen.clear()
@@ -161,3 +164,123 @@ def test_a_version_is_downloaded_once_and_resumes(s3_env, tmp_path):
     assert seen == [(0, 0)]  # nothing fetched again
     _tensors, meta = read_safetensors(first)
     assert meta["prompt_len"] == "1"
+
+
+# -- the capture worker on a store in a bucket ---------------------------------------------------
+def test_capture_worker_uploads_each_checked_file_once_and_leaves_nothing_on_local_disk(
+        tmp_path, tokenizer_dir, s3_env, redis_server, workers):
+    """``draftfleet capture`` and a real capture worker on the fake engine: every unit one object
+    holding exactly the ids and states the worker checked; a unit a twin stored meanwhile (412) is
+    not stored again nor counted; the engine's folder ends empty."""
+    import json
+
+    from draftfleet import redis_keys as rk
+    from draftfleet.hidden import HEADER_ROOM, TargetModel
+    from draftfleet.schemas.config import load_config
+
+    from tests.capture_engine import CaptureEngine, contract, engine_file
+    from tests.conftest import run_cli, wait_until, write_config
+    from tests.test_hidden import _model, _put_record
+
+    storage = tmp_path / "incoming"
+    model = _model(tmp_path / "model")
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], TargetModel.load(model).config_sha256))
+    location = f"s3://{s3_env.bucket()}/fleet"
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, max_attempts=2, store=location,
+                          datasets=[{"name": "ds", "path": str(tmp_path / "d.jsonl")}])
+    with open(config, "a") as fh:
+        fh.write(f'\n[capture]\nmodel_path = "{model}"\nstorage_path = "{storage}"\ninflight = 2\n'
+                 f'\n[backends.vllm]\nurls = ["{engine.url}"]\nrequest_timeout_s = 30.0\n')
+    store = open_store(load_config(config))
+    store.prepare()
+    outputs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6], [1, 2, 3, 7]]
+    for i, out in enumerate(outputs):
+        _put_record(store, i, out)
+    hidden, twin, twins_file = open_hidden(store), "01" * 32, _unit(3)
+    sent: dict[int, list[int]] = {}
+
+    def answer(ids):  # the connector's file with its header room; while unit 01 runs, a twin stores it
+        if ids[-1] == 5:
+            assert hidden.put("ds", 1, twin, 0, twins_file)
+        if len(ids) > 1:  # not the worker's start-up probe
+            sent[ids[-1]] = ids
+        return engine.fresh_path(), engine_file(ids, 4, 128, engine.contract, room=HEADER_ROOM)
+
+    engine.answer = answer
+    env = {"REDIS_URL": redis_server.url}
+    res = run_cli("capture", "--config", str(config), "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    (summary,) = json.loads(res.stdout)
+    assert (summary["queued"], summary["free_bytes"]) == (4, None)
+    workers.start(config, "capture", "--url", engine.url, "--name", "cap", redis_url=redis_server.url)
+    r = redis_server.client()
+    wait_until(lambda: len(sent) == 4 and not r.hlen(rk.UNACKED) and not r.llen(rk.capture_queue("ds")), 90, 0.2,
+               lambda: f"every unit settled\n{workers.logs()}")
+    wait_until(lambda: int(r.hget(rk.capture_progress("ds"), "captured") or 0) >= 3, 10, 0.1, "three counted")
+    time.sleep(0.5)
+    assert int(r.hget(rk.capture_progress("ds"), "captured")) == 3  # its own, not the twin's
+    assert hidden.bucket.get(hidden.object_key("ds", 1, twin, 0))[0] == twins_file
+    objects = sorted(hidden.files("ds", 1))
+    assert [(k, t) for k, t, _ in objects] == [(f"{i:02x}" * 32, 0) for i in range(4)]
+    for key, _turn, _where in objects:
+        if key == twin:
+            continue
+        data = hidden.bucket.get(hidden.object_key("ds", 1, key, 0))[0]
+        path = tmp_path / f"{key}.safetensors"
+        path.write_bytes(data)
+        tensors, meta = read_safetensors(path)
+        ids = sent[4 + int(key[:2], 16)]  # record i answered [1, 2, 3, 4 + i]
+        assert tensors["token_ids"][1].tolist() == ids and meta["key"] == key
+        ref = tmp_path / "ref.safetensors"
+        ref.write_bytes(engine_file(ids, 4, 128, engine.contract, room=HEADER_ROOM))
+        assert np.array_equal(tensors["hidden_states"][1], read_safetensors(ref)[0]["hidden_states"][1])
+    good, unsealed, bad = hidden.verify("ds", 1)
+    assert (good, unsealed, bad) == (4, 0, [])
+    assert not list(storage.iterdir()), "the engine's files are left on local disk"
+    assert "written again into the store" not in workers.logs(None)  # uploaded from the engine's file
+
+
+def test_an_export_from_the_bucket_equals_one_from_a_folder_and_a_rerun_downloads_nothing(s3_env, tmp_path,
+                                                                                           monkeypatch):
+    """-f speculators from a bucket: the files downloaded to <out>/.cache, the rows, the hidden-state
+    files and the vocabulary counts the same as from a folder store holding the same; run again,
+    nothing is fetched."""
+    import pyarrow as pa
+
+    from draftfleet.export import features
+    from tests.test_core import _record
+
+    bucket_store, folder = _store(s3_env), open_store(tmp_path / "store")
+    folder.prepare()
+    plans: dict[str, list] = {"bucket": [], "folder": []}
+    for i in range(5):
+        rec, data = _record(f"{i:02x}" * 32, output_ids=[7, 8, 9 + i]), _unit(4 + i)
+        for s in (bucket_store, folder):
+            s.put(rec)
+            if i != 3:  # one turn not captured: missing in both
+                h = open_hidden(s)
+                h.write_manifest(_manifest())
+                assert h.put("ds", 1, rec.key, 0, data)
+    got, fetched = {}, []
+    for name, s in (("bucket", bucket_store), ("folder", folder)):
+        monkeypatch.setattr(features, "_run_torch", lambda plan, python, n=name: plans[n].append(plan))
+        got[name] = features.export_features(s, "ds", tmp_path / name, ["speculators"], model_path=None,
+                                             fetching=lambda n, total: fetched.append((n, total)))
+    assert (got["bucket"].rows, got["bucket"].missing, got["bucket"].bad_files) == (4, 1, [])
+    assert msgspec.structs.replace(got["bucket"], folders={}) == msgspec.structs.replace(got["folder"], folders={})
+    assert fetched[-1][0] == fetched[-1][1] == sum(len(_unit(4 + i)) for i in (0, 1, 2, 4))  # the folder fetches none
+    tables = {}
+    for name in plans:
+        out = tmp_path / name / "ds.speculators"
+        with pa.ipc.open_stream(str(out / "data-00000-of-00001.arrow")) as reader:
+            tables[name] = reader.read_all().to_pylist()
+        assert plans[name][0]["token_freq"]["counts"] == plans["folder"][0]["token_freq"]["counts"]
+        for i in range(4):
+            assert (out / "hidden_states" / f"hs_{i}.safetensors").read_bytes() == (
+                tmp_path / "folder" / "ds.speculators" / "hidden_states" / f"hs_{i}.safetensors").read_bytes()
+    assert tables["bucket"] == tables["folder"] and len(tables["bucket"]) == 4
+    assert len(list((tmp_path / "bucket" / ".cache" / "_hidden" / "ds" / "v1").rglob("*.safetensors"))) == 4
+    fetched.clear()
+    again = features.export_features(bucket_store, "ds", tmp_path / "bucket", ["speculators"], model_path=None,
+                                      fetching=lambda n, total: fetched.append((n, total)))
+    assert fetched == [(0, 0)] and again.rows == 4

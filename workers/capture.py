@@ -13,7 +13,11 @@ stores it without writing it again: the unit's metadata goes into the room the c
 the file's header (in place, fsync'd), and the file is linked to its name in the store (``link``
 fails if the name is taken: write-once), then the engine's name is removed. So the states cross
 the disk once; the connector's storage path must be on the store's file system (checked at start)
-unless ``[capture] copy = true``, which writes each file a second time.
+unless ``[capture] copy = true``, which writes each file a second time. With a store in a bucket
+the engine writes on local disk as ever; the checked file, sealed in place the same way, is
+uploaded once from its descriptor with ``If-None-Match: *`` (``hidden_bucket.py``: 412, another
+worker stored the unit, is a lost link) and its local name removed, whether it won or lost, so
+the states cross the network once and nothing stays on local disk.
 
 The engine is never kept waiting for the worker: ``inflight`` requests are open at once (a
 semaphore around the request only), and twice as many threads run units, so that reading the
@@ -66,8 +70,8 @@ from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
 from draftfleet.claims import Claims
-from draftfleet.hidden import (CONVERSATION, DIGEST_KEY, DTYPES, HEADER_ROOM, SCALES, CaptureError, HiddenStore, Spans,
-                               TargetModel, capture_settings, check_storage, conversation_spans, encode_safetensors,
+from draftfleet.hidden import (CONVERSATION, DIGEST_KEY, DTYPES, HEADER_ROOM, SCALES, CaptureError, Spans, TargetModel,
+                               capture_settings, check_storage, conversation_spans, encode_safetensors, open_hidden,
                                read_sealed, record_units, rewrite_metadata, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
 from draftfleet.schemas.records import (CaptureManifest, CaptureTask, EngineContract, ResponseRecord, WorkerReport,
@@ -508,7 +512,7 @@ class CaptureRuntime:
                  hostname: str, layer_ids: list[int], model_sha: str, dtype: str = "bfloat16",
                  storage: Path | None = None):
         self.cfg, self.store, self.r, self.client, self.tokenizer = cfg, store, r, client, tokenizer
-        self.hidden = HiddenStore(store)
+        self.hidden = open_hidden(store)
         self.hostname = hostname
         self.layer_ids = layer_ids
         self.model_sha = model_sha
@@ -800,8 +804,10 @@ def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str,
     a file without header room (a server started without the fleet's ``header_room``), one whose
     names are all gone (a file renamed over it), or, with ``[capture] copy``, on another file
     system; then what was checked (in memory) is what is written."""
-    final = rt.hidden.path(task.dataset, task.version, task.key, task.turn)
     assert got.file is not None
+    if not rt.hidden.local:
+        return _upload(rt, task, got, meta)
+    final = rt.hidden.path(task.dataset, task.version, task.key, task.turn)
     try:
         if got.file.rewrite_metadata({**meta, DIGEST_KEY: got.digest}):
             try:
@@ -818,13 +824,38 @@ def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str,
                     raise Halt("hidden_states_other_fs", f"{got.path} is on another file system than the store "
                                f"{rt.store.root}: set [capture] storage_path on the store's, or [capture] copy = true "
                                "to write every file twice") from None
-        elif not rt.warned_copy:
-            rt.warned_copy = True
-            log.warning("%s has no header room, or too little for the unit's metadata (%d bytes): such files are "
-                        "written again into the store (start the server with the fleet's connector flags, README "
-                        "'Hidden states')", got.path, len(json.dumps(meta)))
+        else:
+            _warn_no_room(rt, got, meta)
     except PermissionError as exc:  # the header rewrite: the file is another user's
         raise _not_ours(got.path, exc) from None
+    return _put_checked(rt, task, got, meta)
+
+
+def _upload(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str, str]) -> bool:
+    """A store in a bucket: the checked file, its header sealed in place, uploaded once from the
+    checked descriptor; False when another worker had stored the unit (412). The caller removes the
+    engine's name either way (``Captured.discard``)."""
+    assert got.file is not None
+    try:
+        sealed = got.file.rewrite_metadata({**meta, DIGEST_KEY: got.digest})
+    except PermissionError as exc:  # the header rewrite: the file is another user's
+        raise _not_ours(got.path, exc) from None
+    if sealed:
+        return rt.hidden.upload(task.dataset, task.version, task.key, task.turn, got.file.fd)
+    _warn_no_room(rt, got, meta)
+    return _put_checked(rt, task, got, meta)
+
+
+def _warn_no_room(rt: CaptureRuntime, got: Captured, meta: dict[str, str]) -> None:
+    if not rt.warned_copy:
+        rt.warned_copy = True
+        log.warning("%s has no header room, or too little for the unit's metadata (%d bytes): such files are "
+                    "written again into the store (start the server with the fleet's connector flags, README "
+                    "'Hidden states')", got.path, len(json.dumps(meta)))
+
+
+def _put_checked(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str, str]) -> bool:
+    """Store what was checked (in memory), sealed, as the unit's file, once."""
     tensors = {"token_ids": ("I64", got.ids), "hidden_states": ("BF16" if got.dtype == "bfloat16" else "F8_E4M3", got.states)}
     if got.scales is not None:
         tensors[SCALES] = got.scales
@@ -878,7 +909,7 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
     tokenizer = TargetTokenizer.from_config(cfg.fleet)
     store = open_store(cfg)
     store.prepare()
-    check_storage(cfg, Path(storage_path(cfg)))  # the engine's files are linked into the store
+    check_storage(cfg, Path(storage_path(cfg)))  # the engine's files are linked into the store (or uploaded)
     server = client = rt = connector = None
     stop_waiting = announce_waiting(r, hostname, "capture", "vllm", redact(url) if url else f"GPU {gpus}", names,
                                     f"vLLM at {redact(url)}" if url else f"vLLM to start on GPU(s) {gpus}")

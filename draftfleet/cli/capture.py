@@ -29,12 +29,14 @@ def cmd_capture(args) -> int:
         out.print(f"{c.dataset} ({of}) capture v{c.version} (layers {c.layer_ids}, {c.dtype}): {held}, {c.done:,} "
                   f"captured, {c.queued:,} queued ({c.already_queued:,} already queued, {c.running:,} being captured); "
                   f"{c.tokens_to_capture:,} "
-                  f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB ({c.bytes_per_token:,.0f} B/token) of "
-                  f"{c.free_bytes / 1e9:,.1f} GB free", highlight=False)
+                  f"tokens, about {c.bytes_estimate / 1e9:,.2f} GB ({c.bytes_per_token:,.0f} B/token)"
+                  + (f" of {c.free_bytes / 1e9:,.1f} GB free" if c.free_bytes is not None else " (to a bucket)"),
+                  highlight=False)
         if c.budget_tokens_left:
             out.print(f"  with the {c.budget_tokens_left:,} answer tokens its budget has left: about "
                       f"{c.projected_bytes / 1e9:,.2f} GB" + (" [yellow]more than the free space[/]"
-                                                              if c.projected_bytes > c.free_bytes else ""))
+                                                              if c.free_bytes is not None
+                                                              and c.projected_bytes > c.free_bytes else ""))
         if c.conversations_once or c.conversations_per_turn:
             out.print(f"  conversations: {c.conversations_once:,} captured once (their turns' ids prefix each other), "
                       f"{c.conversations_per_turn:,} per turn" + (f"; first: {escape(c.per_turn_reason)}"

@@ -81,12 +81,14 @@ def cmd_export(args) -> int:
                 model_path = None
             captured = names if args.dataset else [n for n in names if open_hidden(store).versions(n)]
             template = (tok or optional_tokenizer(args, cfg)) if captured else None
-            found = [features.export_features(store, name, args.out, hidden_formats, model_path=model_path,
-                                              version=args.capture_version, torch_python=args.torch_python,
-                                              draft_vocab_size=args.draft_vocab_size, records_version=args.version,
-                                              all_versions=args.all_versions,
-                                              chat_template_sha256=template.chat_template_sha256 if template else None)
-                     for name in captured]
+            with _fetch_progress(args.json or store.local) as fetching:
+                found = [features.export_features(store, name, args.out, hidden_formats, model_path=model_path,
+                                                  version=args.capture_version, torch_python=args.torch_python,
+                                                  draft_vocab_size=args.draft_vocab_size, records_version=args.version,
+                                                  all_versions=args.all_versions,
+                                                  chat_template_sha256=template.chat_template_sha256 if template else None,
+                                                  fetching=fetching(name))
+                         for name in captured]
             for f in found:
                 for why in f.bad_files:
                     err.print(f"[red]error[/]: {escape(why)}: not exported", highlight=False)
@@ -116,6 +118,34 @@ def cmd_export(args) -> int:
         for note in m.notes:
             out.print(f"  note: {note}", highlight=False)
     return 0
+
+
+def _fetch_progress(quiet: bool):
+    """A rich bar (on stderr) per dataset whose hidden states are downloaded from a bucket."""
+    from contextlib import contextmanager
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    @contextmanager
+    def bars():
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                            TimeRemainingColumn(), console=err, disable=quiet)
+
+        def fetching(name: str):
+            bar = None
+
+            def tick(done: int, total: int) -> None:
+                nonlocal bar
+                if bar is None:
+                    bar = progress.add_task(f"download {name}'s hidden states", total=total)
+                progress.update(bar, completed=done, total=total)
+
+            return tick
+
+        with progress:
+            yield fetching
+
+    return bars()
 
 
 def register(sub) -> None:

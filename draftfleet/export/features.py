@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -42,13 +43,13 @@ import msgspec
 from draftfleet.conversation import record_turns
 from draftfleet.export import ExportError, _order, _selection
 from draftfleet.export import specforge, speculators, torch_files
-from draftfleet.hidden import (CONVERSATION, HiddenStore, Spans, TargetModel, encode_safetensors, file_spans, loss_mask,
-                               read_safetensors, verify_digest)
+from draftfleet.hidden import (CONVERSATION, HIDDEN_DIR, HiddenStore, Spans, TargetModel, encode_safetensors, file_spans,
+                               loss_mask, open_hidden, read_safetensors, verify_digest)
 from draftfleet.schemas.records import GenerationSettings
 from draftfleet.store import Store
-from draftfleet.versions import Selection
 
 FORMATS = ("speculators", "specforge")
+CACHE = ".cache"  # under --out: a bucket's files, downloaded for the trainers
 
 
 class LayerContract(msgspec.Struct, kw_only=True):
@@ -112,15 +113,14 @@ class FeaturesManifest(msgspec.Struct, kw_only=True):
 DRAFT_VOCAB_SIZE = 32000  # the trainers' usual reduced draft vocabulary
 
 
-def _rows(store: Store, dataset: str, version: int, chosen: Selection
+def _rows(hidden: HiddenStore, records: list, dataset: str, version: int
           ) -> tuple[list[tuple[str, list[int], list[int], str, Spans]], int, list[str], list[str]]:
     """(id, ids, loss mask, file, answer spans) per captured unit of the chosen records, in export
     order: a conversation captured once is one row (id ``<key>``, the mask over every answer), else
     a row per turn; how many turns lack a file; the conversations of 2+ turns captured per turn;
     why each file left out is bad (its tensors changed since it was stored, or it cannot be read)."""
-    hidden = HiddenStore(store)
     rows, missing, per_turn, bad = [], 0, [], []
-    for rec in sorted(filter(chosen.takes, store.records(dataset)), key=_order):
+    for rec in records:
         whole = hidden.path(dataset, version, rec.key, CONVERSATION)
         if rec.turns and whole.exists():
             units = [(rec.key, whole)]
@@ -167,18 +167,27 @@ def _torch_here() -> bool:
 def export_features(store: Store, dataset: str, out_dir: str | Path, formats: list[str], *,
                     model_path: str | None, version: int | None = None, torch_python: str | None = None,
                     draft_vocab_size: int = DRAFT_VOCAB_SIZE, records_version: int | None = None,
-                    all_versions: bool = False, chat_template_sha256: str | None = None) -> FeaturesManifest:
+                    all_versions: bool = False, chat_template_sha256: str | None = None,
+                    fetching: Callable[[int, int], None] | None = None) -> FeaturesManifest:
     """Write the hidden-state exports of the dataset's current version's records (``records_version``:
     another version's; ``all_versions``: every record) from capture version ``version`` (default
     the latest); ``model_path`` (the target's folder) gives SpecForge's norm and the target's
-    vocabulary size; ``chat_template_sha256`` is the fleet tokenizer's, stated in the manifest."""
+    vocabulary size; ``chat_template_sha256`` is the fleet tokenizer's, stated in the manifest.
+
+    From a store in a bucket the files are first downloaded to ``<out>/.cache/_hidden`` (both
+    trainers open local paths only; ops/scaling.md), resumably, ``fetching(bytes, total)`` told as
+    they arrive; the export then reads and links those copies as a folder store's."""
     chosen = _selection(store, dataset, records_version, all_versions)
-    hidden = HiddenStore(store)
+    hidden = open_hidden(store)
     m = hidden.manifest(dataset, version)
     if m is None:
         raise ExportError(f"{dataset}: no captured hidden states" + (f" in version {version}" if version else "")
                           + ": run draftfleet capture and a capture worker first")
-    rows, missing, per_turn, bad = _rows(store, dataset, m.version, chosen)
+    records = sorted(filter(chosen.takes, store.records(dataset)), key=_order)
+    if not hidden.local:
+        hidden = hidden.download(dataset, m.version, Path(out_dir) / CACHE / HIDDEN_DIR, fetching,
+                                 keys={rec.key for rec in records})
+    rows, missing, per_turn, bad = _rows(hidden, records, dataset, m.version)
     counts = sorted(token_counts(rows).items())
     layers = layer_contract(m, formats, chat_template_sha256)
     out = Path(out_dir)
