@@ -15,6 +15,7 @@ threads hide for writes and listing (1,000 keys a request) cannot.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -77,19 +78,20 @@ def _capture_upload(store: Store, work: Path, files: int, mib: int) -> tuple[flo
     folder = work / "incoming"
     folder.mkdir(parents=True, exist_ok=True)
     tokens = max(1, mib * 2**20 // (CAPTURE_LAYERS * CAPTURE_HIDDEN * 2 + 8))
-    paths = []
-    for i in range(files):  # untimed: the engine's part
+    paths, digests = [], []
+    for i in range(files):  # untimed: the engine's part, and the worker's check (its digest)
         states = np.frombuffer(os.urandom(tokens * CAPTURE_LAYERS * CAPTURE_HIDDEN * 2), np.uint16)
         data = encode_safetensors({"token_ids": ("I64", np.arange(tokens, dtype=np.int64)),
                                    "hidden_states": ("BF16", states.reshape(tokens, CAPTURE_LAYERS, CAPTURE_HIDDEN))},
                                   {"prompt_len": "1"}, seal=True)
         paths.append(folder / f"{i}.safetensors")
         paths[-1].write_bytes(data)
+        digests.append(hashlib.sha256(data[8 + int.from_bytes(data[:8], "little"):]).hexdigest())
 
     def upload(i: int) -> None:
         fd = os.open(paths[i], os.O_RDONLY)
         try:
-            assert hidden.upload("ds", 1, f"{i:064x}", 0, fd)
+            assert hidden.upload("ds", 1, f"{i:064x}", 0, fd, digest=digests[i])  # hashed again as sent
         finally:
             os.close(fd)
         paths[i].unlink()

@@ -14,6 +14,7 @@ store's ``_hidden``, and reads them there.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -80,12 +81,21 @@ class BucketHidden(Hidden):
         """Write the unit's file once. True if this call stored it, False if it was there already."""
         return self.store._create_object(self.object_key(dataset, version, key, turn), data)
 
-    def upload(self, dataset: str, version: int, key: str, turn: int, fd: int, *, part_size: int | None = None) -> bool:
+    def upload(self, dataset: str, version: int, key: str, turn: int, fd: int, *, digest: str | None = None,
+               part_size: int | None = None) -> bool:
         """Upload the file open on ``fd`` as the unit's, once: True if this call stored it, False
-        if another writer had (412: a lost ``link``)."""
+        if another writer had (412: a lost ``link``). ``digest``: the sha256 of the data section the
+        worker checked; bytes that no longer hash to it (an engine still writing into the file) are
+        not stored (``OSError``)."""
         name = self.object_key(dataset, version, key, turn)
+        sealed = None
+        if digest is not None:
+            try:
+                sealed = (8 + header_length(name, os.pread(fd, 8, 0), os.fstat(fd).st_size), digest)
+            except ValueError as exc:  # its header changed since the check
+                raise OSError(errno.EIO, str(exc)) from None
         try:
-            self.store._retry_conflict(lambda: self.bucket.put_file(name, fd, part_size=part_size))
+            self.store._retry_conflict(lambda: self.bucket.put_file(name, fd, part_size=part_size, sealed=sealed))
         except S3Error as exc:
             if exc.status == 412:
                 return False

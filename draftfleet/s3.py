@@ -14,6 +14,7 @@ write: try again) are told apart by ``status``.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -177,7 +178,7 @@ class Bucket:
     PART_SIZE = 64 << 20  # a multipart upload's part, what one request holds in memory
     MIN_PART = 5 << 20  # S3's least part size (all parts but the last)
 
-    def put_file(self, key: str, fd: int, *, part_size: int | None = None) -> str:
+    def put_file(self, key: str, fd: int, *, part_size: int | None = None, sealed: tuple[int, str] | None = None) -> str:
         """Store the file open on ``fd`` at ``key`` only if nothing is there: its ETag; a 412
         ``S3Error`` when another writer stored it first, 409 when one was storing it at that moment.
 
@@ -185,11 +186,17 @@ class Bucket:
         one held. Up to ``part_size`` (default ``PART_SIZE``) it is one ``PutObject`` with
         ``If-None-Match: *``; a larger one goes up in parts and becomes visible by
         ``CompleteMultipartUpload`` with the same condition; a failed multipart upload is aborted,
-        so no parts are left billed. Every body byte handed to a request counts in ``sent_bytes``."""
+        so no parts are left billed. Every body byte handed to a request counts in ``sent_bytes``.
+        ``sealed`` (offset, sha256 hex): the bytes from ``offset`` on must hash to it, checked on the
+        bytes sent before the object can become visible (``OSError`` otherwise, nothing stored)."""
         part = max(part_size or self.PART_SIZE, self.MIN_PART)
         size = os.fstat(fd).st_size
+        seal = _Seal(*sealed) if sealed else None
         if size <= part:
             data = _pread_all(fd, size, 0)
+            if seal:
+                seal.update(0, data)
+                seal.check(key)
             try:
                 return self._call(f"writing {key}", self.client().put_object, Key=key, Body=data,
                                   IfNoneMatch="*")["ETag"]
@@ -201,12 +208,16 @@ class Bucket:
             parts = []
             for number, offset in enumerate(range(0, size, part), 1):
                 data = _pread_all(fd, min(part, size - offset), offset)
+                if seal:
+                    seal.update(offset, data)
                 try:
                     r = self._call(f"writing part {number} of {key}", client.upload_part, Key=key, UploadId=upload,
                                    PartNumber=number, Body=data)
                 finally:
                     self._sent(len(data))
                 parts.append({"PartNumber": number, "ETag": r["ETag"]})
+            if seal:
+                seal.check(key)
             return self._call(f"writing {key}", client.complete_multipart_upload, Key=key, UploadId=upload,
                               MultipartUpload={"Parts": parts}, IfNoneMatch="*")["ETag"]
         except BaseException:
@@ -257,6 +268,23 @@ class Bucket:
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]
+
+
+class _Seal:
+    """The sha256 of a file's bytes from ``start`` on, fed in order as they are sent."""
+
+    def __init__(self, start: int, want: str):
+        self.start, self.want, self.h = start, want, hashlib.sha256()
+
+    def update(self, offset: int, data: bytes) -> None:
+        skip = max(0, self.start - offset)
+        if skip < len(data):
+            self.h.update(memoryview(data)[skip:])
+
+    def check(self, key: str) -> None:
+        if self.h.hexdigest() != self.want:
+            raise OSError(errno.EIO, f"the file for {key} changed after it was checked (its bytes no longer hash to "
+                          "the digest sealed): not stored")
 
 
 def _pread_all(fd: int, n: int, offset: int) -> bytes:

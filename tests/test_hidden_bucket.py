@@ -9,6 +9,7 @@ import time
 
 import msgspec
 import numpy as np
+import pytest
 
 from draftfleet.hidden import CONVERSATION, HiddenStore, encode_safetensors, f32_to_bf16, open_hidden, read_safetensors
 from draftfleet.hidden_bucket import BucketHidden
@@ -166,6 +167,38 @@ def test_a_version_is_downloaded_once_and_resumes(s3_env, tmp_path):
     assert meta["prompt_len"] == "1"
 
 
+@pytest.mark.parametrize("t", [3, 12 * MIB // (4 * 64 * 2)])  # one PUT; parts
+def test_a_file_changed_after_its_check_is_not_stored(s3_env, tmp_path, t):
+    """The worker passes the digest of the data it checked: bytes that no longer hash to it (an
+    engine writing into the file after the check) are refused before the object can appear."""
+    import hashlib
+
+    from draftfleet.hidden import _header
+
+    hidden = open_hidden(_store(s3_env))
+    data = _unit(t)
+    path = tmp_path / "unit.safetensors"
+    path.write_bytes(data)
+    _h, offset = _header(path)
+    checked = hashlib.sha256(data[offset:]).hexdigest()
+    changed = bytearray(data)
+    changed[-1] ^= 1
+    fd = _fd(tmp_path, "changed", bytes(changed))
+    try:
+        with pytest.raises(OSError, match="changed after it was checked"):
+            hidden.upload("ds", 1, "dd" * 32, 0, fd, digest=checked, part_size=5 * MIB)
+    finally:
+        os.close(fd)
+    assert not hidden.has("ds", 1, "dd" * 32, 0)
+    assert not hidden.bucket.client().list_multipart_uploads(Bucket=hidden.bucket.bucket).get("Uploads")
+    fd = _fd(tmp_path, "same", data)
+    try:
+        assert hidden.upload("ds", 1, "dd" * 32, 0, fd, digest=checked, part_size=5 * MIB)
+    finally:
+        os.close(fd)
+    assert hidden.verify("ds", 1) == (1, 0, [])
+
+
 # -- the capture worker on a store in a bucket ---------------------------------------------------
 def test_capture_worker_uploads_each_checked_file_once_and_leaves_nothing_on_local_disk(
         tmp_path, tokenizer_dir, s3_env, redis_server, workers):
@@ -237,6 +270,10 @@ def test_capture_worker_uploads_each_checked_file_once_and_leaves_nothing_on_loc
     good, unsealed, bad = hidden.verify("ds", 1)
     assert (good, unsealed, bad) == (4, 0, [])
     assert not list(storage.iterdir()), "the engine's files are left on local disk"
+    res = run_cli("inventory", "--config", str(config), "--verify", "--json", env=env)  # reads the bucket's
+    assert res.returncode == 0, res.stderr
+    held = json.loads(res.stdout)[0]["hidden_states"]
+    assert (held["files"], held["verified"], held["bad_files"]) == (4, 4, [])
     assert "written again into the store" not in workers.logs(None)  # uploaded from the engine's file
 
 

@@ -833,15 +833,16 @@ def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str,
 
 def _upload(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str, str]) -> bool:
     """A store in a bucket: the checked file, its header sealed in place, uploaded once from the
-    checked descriptor; False when another worker had stored the unit (412). The caller removes the
-    engine's name either way (``Captured.discard``)."""
+    checked descriptor, its data hashed on the way against the digest checked (a file an engine
+    wrote into after the check is not stored); False when another worker had stored the unit (412).
+    The caller removes the engine's name either way (``Captured.discard``)."""
     assert got.file is not None
     try:
         sealed = got.file.rewrite_metadata({**meta, DIGEST_KEY: got.digest})
     except PermissionError as exc:  # the header rewrite: the file is another user's
         raise _not_ours(got.path, exc) from None
     if sealed:
-        return rt.hidden.upload(task.dataset, task.version, task.key, task.turn, got.file.fd)
+        return rt.hidden.upload(task.dataset, task.version, task.key, task.turn, got.file.fd, digest=got.digest)
     _warn_no_room(rt, got, meta)
     return _put_checked(rt, task, got, meta)
 
