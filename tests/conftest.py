@@ -207,13 +207,16 @@ class Workers:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, config: Path, kind: str, *args: str, redis_url: str, env: dict | None = None,
-              cwd: Path | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-        """``prefix``: a command the worker runs under (``setpriv ...``)."""
+              cwd: Path | None = None, prefix: tuple[str, ...] = (),
+              process_group: int | None = None) -> subprocess.Popen:
+        """``prefix``: a command the worker runs under (``setpriv ...``); ``process_group``: the
+        group it joins (0: a new one of its own), as ``Popen``'s."""
         log = open(self.folder / f"worker-{kind}-{len(self.procs)}.log", "wb")
         full_env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "draftfleet", "worker", kind, "--config", str(config),
                                  *args],
-                                env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or REPO)
+                                env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or REPO,
+                                process_group=process_group)
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
@@ -250,9 +253,56 @@ def workers(tmp_path):
     w.stop_all()
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+class Host:
+    """A machine of a multi-host test: its own folder (the cwd, HOME, TMPDIR and cache of everything
+    it runs) and its own copy of the config; with other hosts it shares only what the test hands
+    each (the Redis URL, the store's location). Its workers form one process group, so that
+    ``kill`` ends them all at once, as when the machine dies."""
+
+    def __init__(self, folder: Path, workers: Workers, env: dict | None = None):
+        self.name = folder.name
+        self.folder = folder
+        (folder / "tmp").mkdir(parents=True, exist_ok=True)
+        self.workers = workers
+        self.env = {"HOME": str(folder), "TMPDIR": str(folder / "tmp"), "XDG_CACHE_HOME": str(folder / "cache"),
+                    **(env or {})}
+        self.config: Path | None = None
+        self.procs: list[subprocess.Popen] = []
+
+    def write_config(self, **fields) -> Path:
+        self.config = write_config(self.folder, **fields)
+        return self.config
+
+    def start(self, kind: str, *args: str, redis_url: str, env: dict | None = None) -> subprocess.Popen:
+        """A worker named after the host (``--name`` in ``args`` overrides it) in the host's group."""
+        alive = [p for p in self.procs if p.poll() is None]
+        group = os.getpgid(alive[0].pid) if alive else 0
+        proc = self.workers.start(self.config, kind, "--name", f"{self.name}-{kind}", *args, redis_url=redis_url,
+                                  cwd=self.folder, env={**self.env, **(env or {})}, process_group=group)
+        self.procs.append(proc)
+        return proc
+
+    def run_cli(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        """A ``draftfleet`` command run on this host."""
+        return run_cli(*args, env={**self.env, **(env or {})}, timeout=timeout, cwd=self.folder)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group: no worker gets to finish, hand back or clean up anything."""
+        for group in {os.getpgid(p.pid) for p in self.procs if p.poll() is None}:
+            os.killpg(group, signal.SIGKILL)
+        for p in self.procs:
+            p.wait(10)
+
+    def leftovers(self) -> list[str]:
+        """Every file in the host's folder but its config: what its processes left behind."""
+        return sorted(str(p.relative_to(self.folder)) for p in self.folder.rglob("*")
+                      if not p.is_dir() and p != self.config)
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "draftfleet", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
+                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=cwd or REPO)
 
 
 def parse_cli(command: list[str]):

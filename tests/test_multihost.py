@@ -14,7 +14,7 @@ from draftfleet.ledger import Ledger
 from draftfleet.queues import depth
 from draftfleet.store import open_store
 
-from .conftest import run_cli, wait_until, write_config, write_jsonl
+from .conftest import Host, wait_until, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -26,22 +26,20 @@ def test_two_machines_share_one_redis_and_one_store(tmp_path, redis_server, toke
     data = write_jsonl(tmp_path / "data" / "prompts.jsonl", [{"prompt": f"prompt number {i}"} for i in range(N)])
     machines = {}
     for name in ("machine-a", "machine-b"):
-        home = tmp_path / name
-        (home / "tmp").mkdir(parents=True)
+        host = Host(tmp_path / name, workers)
         emu = emulator_factory(single_stream_tps=80, ceiling_tps=100000, length="fixed:24", ttft_s=0.0)
-        config = write_config(home, tokenizer=tokenizer_dir, emulator_url=emu.url,
-                              datasets=[{"name": "ds", "path": str(data), "max_tokens": 64}])
-        machines[name] = (home, emu, config)
+        host.write_config(tokenizer=tokenizer_dir, emulator_url=emu.url,
+                          datasets=[{"name": "ds", "path": str(data), "max_tokens": 64}])
+        machines[name] = (host, emu)
 
-    res = run_cli("enqueue", "--config", str(machines["machine-a"][2]), "--store", str(shared_store), "--json",
-                  env={"REDIS_URL": redis_server.url})
+    res = machines["machine-a"][0].run_cli("enqueue", "--config", str(machines["machine-a"][0].config), "--store",
+                                           str(shared_store), "--json", env={"REDIS_URL": redis_server.url})
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)[0]["queued"] == N
 
-    for name, (home, emu, config) in machines.items():
-        workers.start(config, "gpu", "--url", emu.url, "--inflight", "4", "--name", name, "--store", str(shared_store),
-                      redis_url=redis_server.url, cwd=home,
-                      env={"HOME": str(home), "TMPDIR": str(home / "tmp"), "XDG_CACHE_HOME": str(home / "cache")})
+    for name, (host, emu) in machines.items():
+        host.start("gpu", "--url", emu.url, "--inflight", "4", "--name", name, "--store", str(shared_store),
+                   redis_url=redis_server.url)
 
     store = open_store(shared_store)
     wait_until(lambda: len(store.keys("ds")) == N, 90, 0.2, f"{N} results\n{workers.logs()}")
@@ -55,11 +53,11 @@ def test_two_machines_share_one_redis_and_one_store(tmp_path, redis_server, toke
     by_machine = Counter(rec.worker.split("@")[0] for rec in records)
     assert set(by_machine) == {"machine-a", "machine-b"} and all(n > 0 for n in by_machine.values()), by_machine
     # every prompt was generated once: no machine repeated another's work
-    generated = {name: emu.stats()["by_endpoint"].get("/generate", 0) for name, (_, emu, _) in machines.items()}
+    generated = {name: emu.stats()["by_endpoint"].get("/generate", 0) for name, (_, emu) in machines.items()}
     assert generated == dict(by_machine)
     totals = Ledger(r).totals("ds")
     assert sum(t["responses"] for t in totals.values()) == N
     # nothing was written into a machine's own folders: the store is the only shared state
-    for home, _, _ in machines.values():
-        assert not (home / "store").exists()
+    for host, _ in machines.values():
+        assert host.leftovers() == [], host.leftovers()
     assert not list(shared_store.rglob(".tmp-*"))
