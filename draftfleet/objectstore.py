@@ -11,10 +11,11 @@ each by one S3 request:
 - what a file store appends to becomes one object per entry: a quarantined line under the hash
   of what identifies it (so a re-run's is the same object, written once), a logged decision
   under its time;
-- listings are by prefix, 1,000 keys a request.
+- listings are by prefix, 1,000 keys a request; a dataset's 256 shard folders side by side.
 
-``prepare`` refuses a bucket that does not honour ``If-None-Match`` (it writes a probe twice):
-without it two workers finishing one prompt would both count it.
+``prepare`` refuses a bucket that does not honour ``If-None-Match`` (it writes a probe twice, then
+from several threads at once: without it two workers finishing one prompt would both count it)
+or ``If-Match`` (a stale ETag must be refused: without it an enqueue's manifest could be lost).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import errno
 import hashlib
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +51,10 @@ from draftfleet.store import (
 
 READ_THREADS = 16  # GETs in flight while a view reads every record: latency-bound, not CPU-bound
 CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: another write of the key was under way
+# prepare's race: 2 writers of each of 4 new keys at once, each on a connection of its own. Four
+# chances to catch a check-then-write server; not 8 writers of one key, because SeaweedFS 4.48
+# makes a third concurrent writer of a key wait about a second (measured: 2-3 s for 8, 40 ms for 4x2)
+PROBE_KEYS, PROBE_RACERS = 4, 2
 _RECORD_RE = re.compile(r"/[0-9a-f]{2}/[0-9a-f]{64}\.json$")
 
 
@@ -121,17 +127,60 @@ class ObjectStore(Store):
         self._create_object(marker, b'{"draftfleet_store": 1}\n')
 
     def _probe_conditional_writes(self) -> None:
+        """Write a probe the way the fleet writes: ``If-None-Match`` twice in a row (records),
+        ``If-Match`` with a current then a stale ETag (manifests), and ``PROBE_RACERS`` writers of
+        each of ``PROBE_KEYS`` new keys at once (a server that checks, then writes, lets several win)."""
         probe = self._key("_probe", secrets.token_hex(8))
+        race = [f"{probe}.race{n}" for n in range(PROBE_KEYS)]
+        refuse = f"refusing store {self.location}: the bucket"
+        advice = "use a bucket or server with conditional writes (ops/scaling.md)"
         try:
             if not self._create_object(probe, b"1") or self._create_object(probe, b"2"):
-                raise StoreError(f"refusing store {self.location}: the bucket ignores If-None-Match (a second "
-                                 f"conditional PUT of one key succeeded), so two workers could both store one "
-                                 f"prompt; use a bucket or server with conditional writes (ops/scaling.md)")
-        finally:
+                raise StoreError(f"{refuse} ignores If-None-Match (a second conditional PUT of one key "
+                                 f"succeeded), so two workers could both store one prompt; {advice}")
+            stale = self.bucket.get(probe)[1]
             try:
-                self.bucket.delete(probe)
-            except S3Error:
-                pass  # the probe is left: harmless, under _probe/
+                self._retry_conflict(lambda: self.bucket.put(probe, b"3", if_match=stale))
+            except S3Error as exc:
+                if exc.status != 412:
+                    raise
+                raise StoreError(f"{refuse} refused If-Match with the object's current ETag, so no enqueue "
+                                 f"could replace a manifest; {advice}") from None
+            try:
+                self._retry_conflict(lambda: self.bucket.put(probe, b"4", if_match=stale))
+            except S3Error as exc:
+                if exc.status != 412:
+                    raise
+            else:
+                raise StoreError(f"{refuse} ignores If-Match (a PUT with a stale ETag succeeded), so an "
+                                 f"enqueue could overwrite a manifest another enqueue just wrote; {advice}")
+            self._probe_race(race, refuse, advice)
+        finally:
+            with ThreadPoolExecutor(len(race) + 1) as pool:
+                list(pool.map(self._delete_probe, (probe, *race)))
+
+    def _delete_probe(self, key: str) -> None:
+        try:
+            self.bucket.delete(key)
+        except S3Error:
+            pass  # the probe is left: harmless, under _probe/
+
+    def _probe_race(self, keys: list[str], refuse: str, advice: str) -> None:
+        start = threading.Barrier(len(keys) * PROBE_RACERS)
+
+        def write(i: int) -> bool:
+            start.wait()
+            return self._create_object(keys[i % len(keys)], b"racer %d" % i)
+
+        with ThreadPoolExecutor(len(keys) * PROBE_RACERS) as pool:
+            won = [i for i, ok in enumerate(pool.map(write, range(len(keys) * PROBE_RACERS))) if ok]
+        for n, key in enumerate(keys):
+            winners = [i for i in won if i % len(keys) == n]
+            got = self.bucket.get(key)
+            if len(winners) != 1 or got is None or got[0] != b"racer %d" % winners[0]:
+                raise StoreError(f"{refuse} let {len(winners)} of {PROBE_RACERS} concurrent conditional PUTs of "
+                                 f"one key succeed (it checks, then writes), so two workers could both store one "
+                                 f"prompt; {advice}")
 
     # -- responses -----------------------------------------------------------------------
     def _record_key(self, dataset: str, key: str) -> str:
@@ -164,7 +213,8 @@ class ObjectStore(Store):
         return f"s3://{self.bucket_name}/{self._record_key(dataset, key)}"
 
     def record_files(self, dataset: str) -> list[str]:
-        return [k for k in self.bucket.list(self._key(check_name(dataset), "")) if _RECORD_RE.search(k)]
+        """Listed shard by shard, side by side (``Bucket.list_sharded``): 100k keys in a row is 100 round trips."""
+        return [k for k in self.bucket.list_sharded(self._key(check_name(dataset), "")) if _RECORD_RE.search(k)]
 
     def _read(self, name: str) -> bytes | OSError:
         try:

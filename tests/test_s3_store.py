@@ -4,9 +4,12 @@ case as one clear line."""
 
 from __future__ import annotations
 
+import http.client
 import http.server
+import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -117,13 +120,37 @@ def test_manifest_is_replaced_only_if_unchanged(s3_env):
 
 def test_listing_pages_past_a_thousand(s3_env):
     store = _store(s3_env)
-    keys = {f"{i:064x}" for i in range(1005)}
-    from concurrent.futures import ThreadPoolExecutor
+    keys = {f"{i:064x}" for i in range(1005)}  # all in shard 00: pages within one shard
 
     with ThreadPoolExecutor(16) as pool:
         assert all(pool.map(lambda k: store.put(_record(k)), keys))
     assert store.keys("ds") == keys
     assert sum(1 for _ in store.records("ds")) == 1005
+
+
+def test_a_sharded_listing_is_the_serial_one(s3_env):
+    """1,500 keys: 1,020 in shard ab (pages within a shard), the rest spread over the others, beside
+    objects under the prefix that are in no shard; and a listing small enough for one page."""
+    store = _store(s3_env)
+    rng = random.Random(25)
+    keys = [f"ab{rng.getrandbits(248):062x}" for _ in range(1020)] + [f"{rng.getrandbits(256):064x}" for _ in range(480)]
+    base = store._key("ds", "")
+    names = [f"{base}{k[:2]}/{k}.json" for k in keys] + [f"{base}manifest.json", f"{base}abc/x.json", f"{base}zz/y.json",
+                                                          f"{base}ab", f"{base}0/z.json"]
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda n: store.bucket.put(n, b"{}"), names))
+    serial = sorted(store.bucket.list(base))
+    assert len(serial) == len(names)
+    sharded = store.bucket.list_sharded(base)
+    assert sharded == sorted(f"{base}{k[:2]}/{k}.json" for k in keys)
+    assert sharded == [n for n in serial if n[len(base) + 2:len(base) + 3] == "/" and "/" not in n[len(base) + 3:]
+                       and n[len(base):len(base) + 2] in {f"{i:02x}" for i in range(256)}]
+    assert store.keys("ds") == set(keys)
+    few = store._key("few", "")
+    for n in ("manifest.json", "00/a.json", "ff/b.json", "zz/c.json"):
+        store.bucket.put(few + n, b"{}")
+    assert store.bucket.list_sharded(few) == [few + "00/a.json", few + "ff/b.json"]
+    assert store.bucket.list_sharded(store._key("none", "")) == []
 
 
 def test_prepare_refuses_a_prefix_of_someone_elses(s3_env):
@@ -200,6 +227,118 @@ def test_a_bucket_that_ignores_conditional_writes_is_refused(s3_env):
     finally:
         server.shutdown()
     assert "refusing store s3://plain/x: the bucket ignores If-None-Match" in text
+
+
+_RESIGNED = {"authorization", "x-amz-date", "x-amz-content-sha256", "host", "connection", "content-length", "expect",
+             "accept-encoding", "keep-alive", "transfer-encoding"}
+_PRECONDITION_FAILED = (412, [("Content-Type", "application/xml")],
+                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PreconditionFailed</Code>'
+                        b"<Message>At least one of the pre-conditions you specified did not hold</Message></Error>")
+
+
+class _Forward(http.server.BaseHTTPRequestHandler):
+    """Each request on to the server's ``send`` through its ``change``."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _handle(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _RESIGNED}
+        status, out, data = self.server.change(self.command, self.path, headers, body, self.server.send)
+        self.send_response(status)
+        for k, v in out:
+            if k.lower() not in ("connection", "keep-alive", "transfer-encoding", "content-length"):
+                self.send_header(k, v)
+        length = dict((k.lower(), v) for k, v in out).get("content-length", "0") if self.command == "HEAD" else len(data)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+
+    def log_message(self, *args):
+        pass
+
+
+class _Proxy(http.server.ThreadingHTTPServer):
+    """The real SeaweedFS behind an endpoint that re-signs each request (the client's signature
+    covers the headers) after ``change(method, path, headers, body, send)`` has had its say: a
+    real server with one conditional write made unreliable."""
+
+    daemon_threads = True
+
+    def __init__(self, s3, change):
+        super().__init__(("127.0.0.1", 0), _Forward)
+        self.s3, self.change = s3, change
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_port}"
+
+    def send(self, method: str, path: str, headers: dict, body: bytes):
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        req = AWSRequest(method=method, url=self.s3.endpoint + path, data=body, headers=headers)
+        S3SigV4Auth(Credentials(self.s3.ACCESS_KEY, self.s3.SECRET_KEY), "s3", "us-east-1").add_auth(req)
+        conn = http.client.HTTPConnection("127.0.0.1", self.s3.ports["s3"], timeout=30)
+        try:
+            conn.request(method, path, body=body or None, headers=dict(req.headers.items()))
+            resp = conn.getresponse()
+            return resp.status, resp.getheaders(), resp.read()
+        finally:
+            conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+def _drop(name: str):
+    def change(method, path, headers, body, send):
+        return send(method, path, {k: v for k, v in headers.items() if k.lower() != name}, body)
+
+    return change
+
+
+def _check_then_write(method, path, headers, body, send):
+    """If-None-Match as a server without an atomic create does it: look, then write."""
+    if method != "PUT" or not any(k.lower() == "if-none-match" for k in headers):
+        return send(method, path, headers, body)
+    if send("HEAD", path, {}, b"")[0] == 200:
+        return _PRECONDITION_FAILED
+    time.sleep(0.2)  # the window between the look and the write, wide enough for every racer
+    return send(method, path, {k: v for k, v in headers.items() if k.lower() != "if-none-match"}, body)
+
+
+def test_a_bucket_that_ignores_if_match_is_refused(s3_env):
+    """Everything real but If-Match: write-once passes, the stale ETag's overwrite does not."""
+    bucket = s3_env.bucket()
+    with _Proxy(s3_env, _drop("if-match")) as proxy:
+        text = _error(f"s3://{bucket}/x", StoreS3Section(endpoint=proxy.endpoint))
+        with _Proxy(s3_env, _drop("nothing")) as honest:  # the proxy itself changes nothing else
+            ObjectStore(f"s3://{bucket}/y", StoreS3Section(endpoint=honest.endpoint)).prepare()
+    assert text == (f"refusing store s3://{bucket}/x: the bucket ignores If-Match (a PUT with a stale ETag "
+                    f"succeeded), so an enqueue could overwrite a manifest another enqueue just wrote; use a bucket "
+                    f"or server with conditional writes (ops/scaling.md)")
+    assert [o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket).get("Contents", ())] == ["y/.draftfleet-store"]
+
+
+def test_a_bucket_that_checks_then_writes_is_refused(s3_env):
+    """If-None-Match answered right one writer at a time, wrong for writers at once."""
+    bucket = s3_env.bucket()
+    with _Proxy(s3_env, _check_then_write) as proxy:
+        text = _error(f"s3://{bucket}/x", StoreS3Section(endpoint=proxy.endpoint))
+    assert text == (f"refusing store s3://{bucket}/x: the bucket let 2 of 2 concurrent conditional PUTs of one key "
+                    f"succeed (it checks, then writes), so two workers could both store one prompt; use a bucket or "
+                    f"server with conditional writes (ops/scaling.md)")
+    assert s3_env.client().list_objects_v2(Bucket=bucket).get("Contents", []) == []  # probes cleaned up
 
 
 def test_store_location_errors_before_any_request():
