@@ -132,28 +132,28 @@ class ObjectStore(Store):
         each of ``PROBE_KEYS`` new keys at once (a server that checks, then writes, lets several win)."""
         probe = self._key("_probe", secrets.token_hex(8))
         race = [f"{probe}.race{n}" for n in range(PROBE_KEYS)]
-        refuse = f"refusing store {self.location}: the bucket"
+        refuse = f"refusing store {self.location}:"
         advice = "use a bucket or server with conditional writes (ops/scaling.md)"
         try:
             if not self._create_object(probe, b"1") or self._create_object(probe, b"2"):
-                raise StoreError(f"{refuse} ignores If-None-Match (a second conditional PUT of one key "
-                                 f"succeeded), so two workers could both store one prompt; {advice}")
+                raise StoreError(f"{refuse} the bucket ignores If-None-Match (a second conditional PUT of one "
+                                 f"key succeeded), so two workers could both store one prompt; {advice}")
             stale = self.bucket.get(probe)[1]
             try:
                 self._retry_conflict(lambda: self.bucket.put(probe, b"3", if_match=stale))
             except S3Error as exc:
                 if exc.status != 412:
                     raise
-                raise StoreError(f"{refuse} refused If-Match with the object's current ETag, so no enqueue "
-                                 f"could replace a manifest; {advice}") from None
+                raise StoreError(f"{refuse} the bucket refused If-Match with the object's current ETag, so no "
+                                 f"enqueue could replace a manifest; {advice}") from None
             try:
                 self._retry_conflict(lambda: self.bucket.put(probe, b"4", if_match=stale))
             except S3Error as exc:
                 if exc.status != 412:
                     raise
             else:
-                raise StoreError(f"{refuse} ignores If-Match (a PUT with a stale ETag succeeded), so an "
-                                 f"enqueue could overwrite a manifest another enqueue just wrote; {advice}")
+                raise StoreError(f"{refuse} the bucket ignores If-Match (a PUT with a stale ETag succeeded), so "
+                                 f"an enqueue could overwrite a manifest another enqueue just wrote; {advice}")
             self._probe_race(race, refuse, advice)
         finally:
             with ThreadPoolExecutor(len(race) + 1) as pool:
@@ -166,21 +166,26 @@ class ObjectStore(Store):
             pass  # the probe is left: harmless, under _probe/
 
     def _probe_race(self, keys: list[str], refuse: str, advice: str) -> None:
-        start = threading.Barrier(len(keys) * PROBE_RACERS)
+        n = len(keys) * PROBE_RACERS
+        start = threading.Barrier(n, timeout=60)
 
         def write(i: int) -> bool:
             start.wait()
             return self._create_object(keys[i % len(keys)], b"racer %d" % i)
 
-        with ThreadPoolExecutor(len(keys) * PROBE_RACERS) as pool:
-            won = [i for i, ok in enumerate(pool.map(write, range(len(keys) * PROBE_RACERS))) if ok]
-        for n, key in enumerate(keys):
-            winners = [i for i in won if i % len(keys) == n]
+        with ThreadPoolExecutor(n) as pool:
+            won = [i for i, ok in enumerate(pool.map(write, range(n))) if ok]
+        for k, key in enumerate(keys):
+            winners = [i for i in won if i % len(keys) == k]
             got = self.bucket.get(key)
-            if len(winners) != 1 or got is None or got[0] != b"racer %d" % winners[0]:
-                raise StoreError(f"{refuse} let {len(winners)} of {PROBE_RACERS} concurrent conditional PUTs of "
-                                 f"one key succeed (it checks, then writes), so two workers could both store one "
-                                 f"prompt; {advice}")
+            if len(winners) != 1:
+                what = f"let {len(winners)} of {PROBE_RACERS} concurrent conditional PUTs of one key succeed"
+            elif got is None or got[0] != b"racer %d" % winners[0]:
+                what = "kept the bytes of a concurrent conditional PUT it had refused"
+            else:
+                continue
+            raise StoreError(f"{refuse} the bucket {what} (it checks, then writes), so two workers could both "
+                             f"store one prompt; {advice}")
 
     # -- responses -----------------------------------------------------------------------
     def _record_key(self, dataset: str, key: str) -> str:
