@@ -104,7 +104,7 @@ class BucketHidden(Hidden):
 
     def _listing(self, dataset: str, version: int) -> Iterator[tuple[str, int, str, int, float]]:
         """(unit key, turn, object key, size, mtime) of every stored file of a version."""
-        for name, size, mtime in self.bucket.list_sized(self._dir(dataset, version)):
+        for name, size, mtime in self.bucket.list_sharded(self._dir(dataset, version), sized=True):
             m = _FILE_RE.match(name.rpartition("/")[2])
             if m:
                 turn = CONVERSATION if m.group(2) == "conversation" else int(m.group(2))

@@ -186,20 +186,23 @@ class Bucket:
                 return
             token = page["NextContinuationToken"]
 
-    def list_sharded(self, prefix: str) -> list[str]:
+    def list_sharded(self, prefix: str, *, sized: bool = False) -> list:
         """Every key under ``prefix<hh>/`` (the 256 two-hex-digit shard folders of a dataset's
-        records or hidden states), sorted. A listing is a chain of pages, each token naming the
-        next: one round trip per 1,000 keys in a row. Up to 1,000 keys are the first page alone;
+        records or a capture version's hidden states), sorted; with ``sized``, (key, size,
+        last-modified time) as ``list_sized`` gives. A listing is a chain of pages, each token naming
+        the next: one round trip per 1,000 keys in a row. Up to 1,000 keys are the first page alone;
         beyond, the 16 prefixes ``prefix0`` .. ``prefixf`` are listed side by side (bench/store.py:
-        16 chains hide the round trips; 256 one-page shard listings cost twice the client CPU)."""
+        16 chains hide the round trips; 256 one-page shard listings cost more client CPU)."""
         first = self._call(f"listing {prefix}", self.client().list_objects_v2, Prefix=prefix)
         if first.get("IsTruncated"):
+            listing = self.list_sized if sized else self.list
             with ThreadPoolExecutor(len(_HEX)) as pool:
-                found = [k for keys in pool.map(lambda d: list(self.list(prefix + d)), _HEX) for k in keys]
+                found = [e for part in pool.map(lambda d: list(listing(prefix + d)), _HEX) for e in part]
         else:
-            found = [o["Key"] for o in first.get("Contents", ())]
+            found = [_sized(o) if sized else o["Key"] for o in first.get("Contents", ())]
         n = len(prefix)
-        return [k for k in found if k[n:n + 2] in _SHARDS and k[n + 2:n + 3] == "/"]
+        keys = (e[0] for e in found) if sized else found
+        return [e for e, k in zip(found, keys) if k[n:n + 2] in _SHARDS and k[n + 2:n + 3] == "/"]
 
     def check_bucket(self) -> None:
         """Refuse a missing bucket, a wrong endpoint and missing or refused credentials, in one line."""
@@ -302,8 +305,7 @@ class Bucket:
         while True:
             page = self._call(f"listing {prefix}", self.client().list_objects_v2, Prefix=prefix,
                               **({"ContinuationToken": token} if token else {}))
-            for obj in page.get("Contents", ()):
-                yield obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp()
+            yield from map(_sized, page.get("Contents", ()))
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]
@@ -324,6 +326,10 @@ class _Seal:
         if self.h.hexdigest() != self.want:
             raise OSError(errno.EIO, f"the file for {key} changed after it was checked (its bytes no longer hash to "
                           "the digest sealed): not stored")
+
+
+def _sized(obj: dict) -> tuple[str, int, float]:
+    return obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp()
 
 
 def _pread_all(fd: int, n: int, offset: int) -> bytes:

@@ -146,6 +146,7 @@ def test_a_sharded_listing_is_the_serial_one(s3_env):
     assert sharded == [n for n in serial if n[len(base) + 2:len(base) + 3] == "/" and "/" not in n[len(base) + 3:]
                        and n[len(base):len(base) + 2] in {f"{i:02x}" for i in range(256)}]
     assert store.keys("ds") == set(keys)
+    assert [(k, size) for k, size, _mtime in store.bucket.list_sharded(base, sized=True)] == [(k, 2) for k in sharded]
     few = store._key("few", "")
     for n in ("manifest.json", "00/a.json", "ff/b.json", "zz/c.json"):
         store.bucket.put(few + n, b"{}")
