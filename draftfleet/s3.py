@@ -192,7 +192,7 @@ class Bucket:
         last-modified time) as ``list_sized`` gives. A listing is a chain of pages, each token naming
         the next: one round trip per 1,000 keys in a row. Up to 1,000 keys are the first page alone;
         beyond, the 16 prefixes ``prefix0`` .. ``prefixf`` are listed side by side (bench/store.py:
-        16 chains hide the round trips; 256 one-page shard listings cost more client CPU)."""
+        16 chains hide the round trips; 256 one-page shard listings were no faster, with more requests)."""
         first = self._call(f"listing {prefix}", self.client().list_objects_v2, Prefix=prefix)
         if first.get("IsTruncated"):
             listing = self.list_sized if sized else self.list

