@@ -324,7 +324,7 @@ def _check_then_write(method, path, headers, body, send):
         return send(method, path, headers, body)
     if send("HEAD", path, {}, b"")[0] == 200:
         return _PRECONDITION_FAILED
-    time.sleep(0.2)  # the window between the look and the write, wide enough for every racer
+    time.sleep(0.5)  # the window between the look and the write, wide enough for every racer
     return send(method, path, {k: v for k, v in headers.items() if k.lower() != "if-none-match"}, body)
 
 
