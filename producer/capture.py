@@ -153,6 +153,14 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
     held = claimed_units(r, dataset)
     waiting = waiting_ids(r, queue)  # a unit a dead worker held is queued again: harmless (write-once)
     queued = already = running = 0
+    # The counts start from zero before the first unit is sent: a worker may store it (and count it)
+    # while the rest are sent, and a reset after the sending erased those counts.
+    r.delete(rk.capture_progress(dataset))
+    r.hset(rk.capture_progress(dataset), mapping={
+        "version": m.version, "units": units, "done": done, "captured": 0, "failed": 0,
+        # for status' projection: bytes per token (x10), tokens to capture and captured since, tokens per answer token
+        "bytes_per_token_x10": round(bpt * 10), "tokens": tokens, "captured_tokens": 0, "unit_tokens": unit_tokens,
+        "completion_tokens": completion_tokens})
     with app.producer_or_acquire() as producer, producer.batch(max_size=PUBLISH_BATCH) as batch:
         sender = TaskSender(app, producer, queue, rk.CAPTURE_TASK_NAME)
         for task, _n in pending:
@@ -167,13 +175,7 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
             queued += 1
             if queued == 1:
                 batch.flush()  # a waiting worker, and its engine, start on it while the rest is sent
-    r.delete(rk.capture_progress(dataset))
-    r.hset(rk.capture_progress(dataset), mapping={
-        "version": m.version, "units": units, "done": done, "queued": queued + already + running, "captured": 0,
-        "failed": 0,
-        # for status' projection: bytes per token (x10), tokens to capture and captured since, tokens per answer token
-        "bytes_per_token_x10": round(bpt * 10), "tokens": tokens, "captured_tokens": 0, "unit_tokens": unit_tokens,
-        "completion_tokens": completion_tokens})
+    r.hset(rk.capture_progress(dataset), "queued", queued + already + running)
     notes = []
     if m.units != wanted.units:
         notes.append(f"v{m.version} captures {'each turn apart' if m.units == 'turn' else 'conversations once'} as it "

@@ -101,6 +101,26 @@ def _fleet(tmp_path, tokenizer_dir, hidden: int = 128):
     return cfg, store
 
 
+def test_a_unit_counted_while_the_rest_are_sent_stays_counted(tmp_path, tokenizer_dir, redis_server, monkeypatch):
+    """The first unit reaches a worker before the rest are sent, and may be stored and counted by
+    then: the progress starts before the sending (it was reset after it, and status' captured fell
+    short by what the workers had done meanwhile)."""
+    from draftfleet.producer.sender import TaskSender
+
+    cfg, store = _fleet(tmp_path, tokenizer_dir)
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    send = TaskSender.send
+
+    def send_and_capture(self, *args, **kwargs):  # a worker stores each unit as soon as it is sent
+        send(self, *args, **kwargs)
+        r.hincrby(rk.capture_progress("ds"), "captured", 1)
+
+    monkeypatch.setattr(TaskSender, "send", send_and_capture)
+    assert queue_capture(cfg, store, app, r, "ds").queued == 3
+    progress = {k.decode(): int(v) for k, v in r.hgetall(rk.capture_progress("ds")).items()}
+    assert (progress["captured"], progress["queued"], progress["units"]) == (3, 3, 3)
+
+
 def test_capture_versions_refuse_other_settings_and_space(tmp_path, tokenizer_dir, redis_server):
     cfg, store = _fleet(tmp_path, tokenizer_dir)
     r, app = redis_server.client(), make_app(redis_server.url, 3600)
