@@ -257,7 +257,8 @@ class Host:
     """A machine of a multi-host test: its own folder (the cwd, HOME, TMPDIR and cache of everything
     it runs) and its own copy of the config; with other hosts it shares only what the test hands
     each (the Redis URL, the store's location). Its workers form one process group, so that
-    ``kill`` ends them all at once, as when the machine dies."""
+    ``kill`` ends them all at once, as when the machine dies. ``leftovers`` are the files that were
+    not in its folder when it first ran something."""
 
     def __init__(self, folder: Path, workers: Workers, env: dict | None = None):
         self.name = folder.name
@@ -268,6 +269,14 @@ class Host:
                     **(env or {})}
         self.config: Path | None = None
         self.procs: list[subprocess.Popen] = []
+        self._placed: set[Path] | None = None  # the files before it first ran anything
+
+    def _files(self) -> set[Path]:
+        return {p for p in self.folder.rglob("*") if not p.is_dir()}
+
+    def _placing_done(self) -> None:
+        if self._placed is None:
+            self._placed = self._files()
 
     def write_config(self, **fields) -> Path:
         self.config = write_config(self.folder, **fields)
@@ -275,6 +284,7 @@ class Host:
 
     def start(self, kind: str, *args: str, redis_url: str, env: dict | None = None) -> subprocess.Popen:
         """A worker named after the host (``--name`` in ``args`` overrides it) in the host's group."""
+        self._placing_done()
         alive = [p for p in self.procs if p.poll() is None]
         group = os.getpgid(alive[0].pid) if alive else 0
         proc = self.workers.start(self.config, kind, "--name", f"{self.name}-{kind}", *args, redis_url=redis_url,
@@ -284,6 +294,7 @@ class Host:
 
     def run_cli(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         """A ``draftfleet`` command run on this host."""
+        self._placing_done()
         return run_cli(*args, env={**self.env, **(env or {})}, timeout=timeout, cwd=self.folder)
 
     def kill(self) -> None:
@@ -294,9 +305,8 @@ class Host:
             p.wait(10)
 
     def leftovers(self) -> list[str]:
-        """Every file in the host's folder but its config: what its processes left behind."""
-        return sorted(str(p.relative_to(self.folder)) for p in self.folder.rglob("*")
-                      if not p.is_dir() and p != self.config)
+        """What its processes left behind: the files in its folder that the test did not put there."""
+        return sorted(str(p.relative_to(self.folder)) for p in self._files() - (self._placed or set()))
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 120,
