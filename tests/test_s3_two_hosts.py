@@ -120,18 +120,21 @@ def _cli_json(host: Host, *args: str):
     return json.loads(res.stdout)
 
 
+def _names(s3_server, location: str, under: str = "") -> list[str]:
+    """The names of the objects under the store's prefix (and ``under`` in it), relative to the prefix."""
+    bucket, prefix = location[len("s3://"):].split("/", 1)
+    pages = s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/{under}")
+    return [obj["Key"][len(prefix) + 1:] for page in pages for obj in page.get("Contents", [])]
+
+
 def _objects(s3_server, location: str) -> Counter:
     """The objects under the store's prefix, by kind: "record" for each record (named by its key,
-    so one object per key), the log's entries by their folder, anything else by its own name."""
-    bucket, prefix = location[len("s3://"):].split("/", 1)
-    client = s3_server.client()
-    kinds: Counter = Counter()
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-        for obj in page.get("Contents", []):
-            name = obj["Key"][len(prefix) + 1:]
-            kinds["record" if RECORD.match(name) else name.split("/")[0] if name.startswith("_") else name] += 1
-    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads"), "multipart uploads left open"
-    return kinds
+    so one object per key), what is under a folder of its own (``_log/``, ``_hidden/``) by that
+    folder, anything else by its own name; and no multipart upload left open."""
+    bucket = location[len("s3://"):].split("/", 1)[0]
+    assert not s3_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads"), "multipart uploads left open"
+    return Counter("record" if RECORD.match(name) else name.split("/")[0] if name.startswith("_") else name
+                   for name in _names(s3_server, location))
 
 
 def _generated(emus) -> tuple[int, int, int]:
@@ -150,19 +153,12 @@ def _settled(r) -> bool:
 
 def _units(s3_server, location: str) -> Counter:
     """The capture units in the bucket, (key, turn) -> objects."""
-    bucket, prefix = location[len("s3://"):].split("/", 1)
-    units: Counter = Counter()
-    for page in s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/_hidden/"):
-        for obj in page.get("Contents", []):
-            m = UNIT.match(obj["Key"][len(prefix) + 1:])
-            if m:
-                units[m.group(1), int(m.group(2))] += 1
-    return units
+    found = (UNIT.match(name) for name in _names(s3_server, location, "_hidden/"))
+    return Counter((m.group(1), int(m.group(2))) for m in found if m)
 
 
-def test_a_host_killed_mid_run_leaves_every_prompt_once_within_budget(tmp_path, s3_env, redis_server,
-                                                                      tokenizer_dir, emulator_factory, engines,
-                                                                      workers):
+def test_a_host_killed_mid_run_leaves_every_prompt_and_unit_once_within_budget(
+        tmp_path, s3_env, redis_server, tokenizer_dir, emulator_factory, engines, workers):
     n, budget = 400, 4000  # ~16 tokens an answer: the budget stops the run at ~250 of the 400
     s3_server = s3_env
     hosts, emus, location = _hosts(tmp_path, workers, emulator_factory, tokenizer_dir, s3_server, redis_server.url,
