@@ -503,6 +503,22 @@ class Hidden:
     def entries(self, dataset: str, version: int) -> Iterator[StoredFile]:
         raise NotImplementedError
 
+    def versions(self, dataset: str) -> list[int]:
+        raise NotImplementedError
+
+    def _manifest_bytes(self, dataset: str, version: int) -> bytes | None:
+        raise NotImplementedError
+
+    def manifest(self, dataset: str, version: int | None = None) -> CaptureManifest | None:
+        """The manifest of ``version`` (default: the latest), None when nothing was captured."""
+        if version is None:
+            versions = self.versions(dataset)
+            if not versions:
+                return None
+            version = versions[-1]
+        data = self._manifest_bytes(dataset, version)
+        return _manifest_decoder.decode(data) if data is not None else None
+
     def usage(self, dataset: str, version: int) -> tuple[int, int, int]:
         """(files, tokens, bytes) of a version: sizes from the listing, tokens from each header."""
         u = self.turn_usage(dataset, version)
@@ -563,15 +579,9 @@ class HiddenStore(Hidden):
         return sorted(int(e.name[1:]) for e in os.scandir(base) if re.fullmatch(r"v\d+", e.name)
                       and os.path.isfile(os.path.join(e.path, MANIFEST)))
 
-    def manifest(self, dataset: str, version: int | None = None) -> CaptureManifest | None:
-        """The manifest of ``version`` (default: the latest), None when nothing was captured."""
-        if version is None:
-            versions = self.versions(dataset)
-            if not versions:
-                return None
-            version = versions[-1]
+    def _manifest_bytes(self, dataset: str, version: int) -> bytes | None:
         p = self.version_dir(dataset, version) / MANIFEST
-        return _manifest_decoder.decode(p.read_bytes()) if p.exists() else None
+        return p.read_bytes() if p.exists() else None
 
     def write_manifest(self, m: CaptureManifest) -> None:
         # The first manifest of a version stays: settings never change under its files.

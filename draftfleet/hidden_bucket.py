@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 
 from draftfleet.hidden import (_FILE_RE, CONVERSATION, HIDDEN_DIR, MANIFEST, Hidden, HiddenStore, StoredFile,
-                               _manifest_decoder, header_length, held_turns, parse_header, verify_digest)
+                               header_length, held_turns, parse_header, verify_digest)
 from draftfleet.objectstore import READ_THREADS, ObjectStore
 from draftfleet.s3 import S3Error
 from draftfleet.schemas.records import CaptureManifest, turn_name
@@ -62,15 +62,9 @@ class BucketHidden(Hidden):
         return sorted(int(m.group(1)) for m in found if m and self.bucket.exists(
             f"{self._dir(dataset, int(m.group(1)))}{MANIFEST}"))
 
-    def manifest(self, dataset: str, version: int | None = None) -> CaptureManifest | None:
-        """The manifest of ``version`` (default: the latest), None when nothing was captured."""
-        if version is None:
-            versions = self.versions(dataset)
-            if not versions:
-                return None
-            version = versions[-1]
+    def _manifest_bytes(self, dataset: str, version: int) -> bytes | None:
         got = self.bucket.get(f"{self._dir(dataset, version)}{MANIFEST}")
-        return _manifest_decoder.decode(got[0]) if got else None
+        return got[0] if got else None
 
     def write_manifest(self, m: CaptureManifest) -> None:
         # The first manifest of a version stays: settings never change under its files.

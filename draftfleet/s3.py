@@ -6,9 +6,10 @@ client is documented thread-safe (one is shared by a Celery threads-pool worker)
 ``fork`` when a child makes its own client (inventory and report read with a process per core);
 obstore's tokio runtime does not (obstore #441: "obstore is not fork safe").
 
-Every failure leaves as one ``S3Error`` line naming the bucket and what to do, never a key or
-secret: ``PreconditionFailed`` (412, another writer won) and ``Conflict`` (409, a concurrent
-write: try again) are told apart by ``status``.
+Every failure leaves as one ``S3Error`` line naming the bucket, the object (its key holds a dataset
+name and a content hash, nothing secret) and what to do, never a credential: ``PreconditionFailed``
+(412, another writer won) and ``Conflict`` (409, a concurrent write: try again) are told apart by
+``status``.
 """
 
 from __future__ import annotations
