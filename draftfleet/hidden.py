@@ -432,11 +432,12 @@ def verify_digest(path: str | Path, fh: BinaryIO | None = None, size: int | None
     return True
 
 
-def rewrite_metadata(file: int | str | Path, metadata: dict[str, str], path: str | Path | None = None) -> bool:
+def rewrite_metadata(file: int | str | Path, metadata: dict[str, str], path: str | Path | None = None) -> bytes | None:
     """Put ``metadata`` in the file's header in place, in the room the connector left there (its
-    ``header_room`` entry), and fsync the file; False when it does not fit (nothing written). The
-    header keeps its length, so every tensor stays where it is. ``file``: an open read-write
-    descriptor (``path`` then only names it in errors), or a path, opened without following a link."""
+    ``header_room`` entry), and fsync the file: the file's first bytes as written (length and
+    header: what an upload must send), None when it does not fit (nothing written). The header
+    keeps its length, so every tensor stays where it is. ``file``: an open read-write descriptor
+    (``path`` then only names it in errors), or a path, opened without following a link."""
     if not isinstance(file, int):
         fd = os.open(file, os.O_RDWR | os.O_NOFOLLOW)  # a link put in its place is refused
         try:
@@ -450,15 +451,16 @@ def rewrite_metadata(file: int | str | Path, metadata: dict[str, str], path: str
     header = json.loads(os.pread(file, n, 8))
     old = header.get("__metadata__") or {}
     if ROOM_KEY not in old:
-        return False
+        return None
     header["__metadata__"] = {**{k: v for k, v in old.items() if k != ROOM_KEY}, **metadata}
     new = json.dumps(header, separators=(",", ":")).encode()
     if len(new) > n:
-        return False
-    if os.pwrite(file, new + b" " * (n - len(new)), 8) != n:
+        return None
+    written = new + b" " * (n - len(new))
+    if os.pwrite(file, written, 8) != n:
         raise OSError(f"{path}: short write of its header")
     os.fsync(file)
-    return True
+    return head + written
 
 
 def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str], *,

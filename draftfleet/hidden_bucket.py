@@ -76,18 +76,21 @@ class BucketHidden(Hidden):
         return self.store._create_object(self.object_key(dataset, version, key, turn), data)
 
     def upload(self, dataset: str, version: int, key: str, turn: int, fd: int, *, digest: str | None = None,
-               part_size: int | None = None) -> bool:
+               head: bytes | None = None, part_size: int | None = None) -> bool:
         """Upload the file open on ``fd`` as the unit's, once: True if this call stored it, False
         if another writer had (412: a lost ``link``). ``digest``: the sha256 of the data section the
-        worker checked; bytes that no longer hash to it (an engine still writing into the file) are
-        not stored (``OSError``)."""
+        worker checked; ``head``: the file's first bytes (length and header) as the worker wrote them
+        (default: as they are now). Bytes sent that differ from ``head`` or no longer hash to
+        ``digest`` (an engine still writing into the file) are not stored (``OSError``)."""
         name = self.object_key(dataset, version, key, turn)
         sealed = None
         if digest is not None:
-            try:
-                sealed = (8 + header_length(name, os.pread(fd, 8, 0), os.fstat(fd).st_size), digest)
-            except ValueError as exc:  # its header changed since the check
-                raise OSError(errno.EIO, str(exc)) from None
+            if head is None:
+                try:
+                    head = os.pread(fd, 8 + header_length(name, os.pread(fd, 8, 0), os.fstat(fd).st_size), 0)
+                except ValueError as exc:  # its header changed since the check
+                    raise OSError(errno.EIO, str(exc)) from None
+            sealed = (head, digest)
         try:
             self.store._retry_conflict(lambda: self.bucket.put_file(name, fd, part_size=part_size, sealed=sealed))
         except S3Error as exc:

@@ -221,7 +221,8 @@ class Bucket:
     PART_SIZE = 64 << 20  # a multipart upload's part, what one request holds in memory
     MIN_PART = 5 << 20  # S3's least part size (all parts but the last)
 
-    def put_file(self, key: str, fd: int, *, part_size: int | None = None, sealed: tuple[int, str] | None = None) -> str:
+    def put_file(self, key: str, fd: int, *, part_size: int | None = None,
+                 sealed: tuple[bytes, str] | None = None) -> str:
         """Store the file open on ``fd`` at ``key`` only if nothing is there: its ETag; a 412
         ``S3Error`` when another writer stored it first, 409 when one was storing it at that moment.
 
@@ -230,8 +231,9 @@ class Bucket:
         ``If-None-Match: *``; a larger one goes up in parts and becomes visible by
         ``CompleteMultipartUpload`` with the same condition; a failed multipart upload is aborted,
         so no parts are left billed. Every body byte handed to a request counts in ``sent_bytes``.
-        ``sealed`` (offset, sha256 hex): the bytes from ``offset`` on must hash to it, checked on the
-        bytes sent before the object can become visible (``OSError`` otherwise, nothing stored)."""
+        ``sealed`` (head, sha256 hex): the file must start with ``head`` and the bytes after it must
+        hash to the digest, checked on the bytes sent before the object can become visible
+        (``OSError`` otherwise, nothing stored)."""
         part = max(part_size or self.PART_SIZE, self.MIN_PART)
         size = os.fstat(fd).st_size
         seal = _Seal(*sealed) if sealed else None
@@ -313,20 +315,24 @@ class Bucket:
 
 
 class _Seal:
-    """The sha256 of a file's bytes from ``start`` on, fed in order as they are sent."""
+    """A file's bytes as they are sent, fed in order: the first ones must be ``head`` (the header
+    as written), the rest must hash to ``want`` (the sha256 of the data section checked)."""
 
-    def __init__(self, start: int, want: str):
-        self.start, self.want, self.h = start, want, hashlib.sha256()
+    def __init__(self, head: bytes, want: str):
+        self.head, self.want, self.h, self.same = head, want, hashlib.sha256(), True
 
     def update(self, offset: int, data: bytes) -> None:
-        skip = max(0, self.start - offset)
+        view, n = memoryview(data), len(self.head)
+        if offset < n:
+            self.same = self.same and view[:n - offset] == self.head[offset:offset + len(data)]
+        skip = max(0, n - offset)
         if skip < len(data):
-            self.h.update(memoryview(data)[skip:])
+            self.h.update(view[skip:])
 
     def check(self, key: str) -> None:
-        if self.h.hexdigest() != self.want:
-            raise OSError(errno.EIO, f"the file for {key} changed after it was checked (its bytes no longer hash to "
-                          "the digest sealed): not stored")
+        if not self.same or self.h.hexdigest() != self.want:
+            raise OSError(errno.EIO, f"the file for {key} changed after it was checked (its header is not the one "
+                          "written or its bytes no longer hash to the digest sealed): not stored")
 
 
 def _sized(obj: dict) -> tuple[str, int, float]:

@@ -198,7 +198,7 @@ class EngineFile:
         st = os.fstat(fd)
         self.dir_fd, self.fd, self.name, self.path, self.identity = dir_fd, fd, name, path, (st.st_dev, st.st_ino)
 
-    def rewrite_metadata(self, meta: dict[str, str]) -> bool:
+    def rewrite_metadata(self, meta: dict[str, str]) -> bytes | None:
         return rewrite_metadata(self.fd, meta, self.path)
 
     def link(self, final: Path) -> bool:
@@ -833,16 +833,17 @@ def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str,
 
 def _upload(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str, str]) -> bool:
     """A store in a bucket: the checked file, its header sealed in place, uploaded once from the
-    checked descriptor, its data hashed on the way against the digest checked (a file an engine
-    wrote into after the check is not stored); False when another worker had stored the unit (412).
+    checked descriptor, its header compared on the way with the one just written and its data hashed
+    against the digest checked (a file an engine wrote into after the check is not stored); False when another worker had stored the unit (412).
     The caller removes the engine's name either way (``Captured.discard``)."""
     assert got.file is not None
     try:
-        sealed = got.file.rewrite_metadata({**meta, DIGEST_KEY: got.digest})
+        head = got.file.rewrite_metadata({**meta, DIGEST_KEY: got.digest})
     except PermissionError as exc:  # the header rewrite: the file is another user's
         raise _not_ours(got.path, exc) from None
-    if sealed:
-        return rt.hidden.upload(task.dataset, task.version, task.key, task.turn, got.file.fd, digest=got.digest)
+    if head:
+        return rt.hidden.upload(task.dataset, task.version, task.key, task.turn, got.file.fd, digest=got.digest,
+                                head=head)
     _warn_no_room(rt, got, meta)
     return _put_checked(rt, task, got, meta)
 
