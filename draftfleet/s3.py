@@ -172,20 +172,25 @@ class Bucket:
     def copy(self, src: str, dst: str) -> None:
         self._call(f"copying {src}", self.client().copy_object, Key=dst, CopySource={"Bucket": self.bucket, "Key": src})
 
-    def list(self, prefix: str, delimiter: str | None = None) -> Iterator[str]:
-        """Every key under ``prefix`` (1,000 a request), or with ``delimiter`` the common prefixes too."""
+    def _pages(self, prefix: str, delimiter: str | None = None) -> Iterator[dict]:
+        """The listing's pages under ``prefix`` (1,000 keys a request), each token naming the next."""
         kw = {"Prefix": prefix, **({"Delimiter": delimiter} if delimiter else {})}
         token = None
         while True:
             page = self._call(f"listing {prefix}", self.client().list_objects_v2, **kw,
                               **({"ContinuationToken": token} if token else {}))
+            yield page
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    def list(self, prefix: str, delimiter: str | None = None) -> Iterator[str]:
+        """Every key under ``prefix``, or with ``delimiter`` the common prefixes too."""
+        for page in self._pages(prefix, delimiter):
             for obj in page.get("Contents", ()):
                 yield obj["Key"]
             for p in page.get("CommonPrefixes", ()):
                 yield p["Prefix"]
-            if not page.get("IsTruncated"):
-                return
-            token = page["NextContinuationToken"]
 
     def list_sharded(self, prefix: str, *, sized: bool = False) -> list:
         """Every key under ``prefix<hh>/`` (the 256 two-hex-digit shard folders of a dataset's
@@ -303,15 +308,9 @@ class Bucket:
         return r["Body"], int(r["ContentLength"])
 
     def list_sized(self, prefix: str) -> Iterator[tuple[str, int, float]]:
-        """(key, size, last-modified time) of every object under ``prefix``, 1,000 a request."""
-        token = None
-        while True:
-            page = self._call(f"listing {prefix}", self.client().list_objects_v2, Prefix=prefix,
-                              **({"ContinuationToken": token} if token else {}))
+        """(key, size, last-modified time) of every object under ``prefix``."""
+        for page in self._pages(prefix):
             yield from map(_sized, page.get("Contents", ()))
-            if not page.get("IsTruncated"):
-                return
-            token = page["NextContinuationToken"]
 
 
 class _Seal:

@@ -167,10 +167,22 @@ def test_a_version_is_downloaded_once_and_resumes(s3_env, tmp_path):
     assert meta["prompt_len"] == "1"
 
 
+def _rewrite_header(data: bytes) -> bytes:
+    assert b'"prompt_len":"1"' in data
+    return data.replace(b'"prompt_len":"1"', b'"prompt_len":"2"', 1)  # same length, data unchanged
+
+
+def _write_into_data(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 1])
+
+
+@pytest.mark.parametrize("change", [_write_into_data, _rewrite_header])
 @pytest.mark.parametrize("t", [3, 12 * MIB // (4 * 64 * 2)])  # one PUT; parts
-def test_a_file_changed_after_its_check_is_not_stored(s3_env, tmp_path, t):
-    """The worker passes the digest of the data it checked: bytes that no longer hash to it (an
-    engine writing into the file after the check) are refused before the object can appear."""
+def test_a_file_changed_after_its_check_is_not_stored(s3_env, tmp_path, t, change):
+    """The worker passes the digest of the data it checked and the header it wrote: a file whose
+    data no longer hashes to the digest, or whose header is not the one written (an engine writing
+    into the file after the check), is refused before the object can appear. The data case goes
+    through the header as the file has it (``head`` not given)."""
     import hashlib
 
     from draftfleet.hidden import _header
@@ -181,56 +193,23 @@ def test_a_file_changed_after_its_check_is_not_stored(s3_env, tmp_path, t):
     path.write_bytes(data)
     _h, offset = _header(path)
     checked = hashlib.sha256(data[offset:]).hexdigest()
-    changed = bytearray(data)
-    changed[-1] ^= 1
-    fd = _fd(tmp_path, "changed", bytes(changed))
+    head = data[:offset] if change is _rewrite_header else None
+    fd = _fd(tmp_path, "changed", change(data))
     try:
         with pytest.raises(OSError, match="changed after it was checked"):
-            hidden.upload("ds", 1, "dd" * 32, 0, fd, digest=checked, part_size=5 * MIB)
+            hidden.upload("ds", 1, "dd" * 32, 0, fd, digest=checked, head=head, part_size=5 * MIB)
     finally:
         os.close(fd)
     assert not hidden.has("ds", 1, "dd" * 32, 0)
     assert not hidden.bucket.client().list_multipart_uploads(Bucket=hidden.bucket.bucket).get("Uploads")
     fd = _fd(tmp_path, "same", data)
     try:
-        assert hidden.upload("ds", 1, "dd" * 32, 0, fd, digest=checked, part_size=5 * MIB)
+        assert hidden.upload("ds", 1, "dd" * 32, 0, fd, digest=checked, head=head, part_size=5 * MIB)
     finally:
         os.close(fd)
     assert hidden.verify("ds", 1) == (1, 0, [])
+    assert hidden.bucket.get(hidden.object_key("ds", 1, "dd" * 32, 0))[0] == data
 
-
-
-@pytest.mark.parametrize("t", [3, 12 * MIB // (4 * 64 * 2)])  # one PUT; parts
-def test_a_header_rewritten_after_its_check_is_not_stored(s3_env, tmp_path, t):
-    """The data still hashes to the digest, but the header is no longer the one the worker wrote
-    (an engine rewriting it, same length, after the check): the upload compares the header it
-    sends with the one written, and stores nothing."""
-    import hashlib
-
-    from draftfleet.hidden import _header
-
-    hidden = open_hidden(_store(s3_env))
-    data = _unit(t)
-    path = tmp_path / "unit.safetensors"
-    path.write_bytes(data)
-    _h, offset = _header(path)
-    checked, head = hashlib.sha256(data[offset:]).hexdigest(), data[:offset]
-    assert b'"prompt_len":"1"' in head
-    changed = data.replace(b'"prompt_len":"1"', b'"prompt_len":"2"', 1)
-    fd = _fd(tmp_path, "changed", changed)
-    try:
-        with pytest.raises(OSError, match="changed after it was checked"):
-            hidden.upload("ds", 1, "ee" * 32, 0, fd, digest=checked, head=head, part_size=5 * MIB)
-    finally:
-        os.close(fd)
-    assert not hidden.has("ds", 1, "ee" * 32, 0)
-    assert not hidden.bucket.client().list_multipart_uploads(Bucket=hidden.bucket.bucket).get("Uploads")
-    fd = _fd(tmp_path, "same", data)
-    try:
-        assert hidden.upload("ds", 1, "ee" * 32, 0, fd, digest=checked, head=head, part_size=5 * MIB)
-    finally:
-        os.close(fd)
-    assert hidden.bucket.get(hidden.object_key("ds", 1, "ee" * 32, 0))[0] == data
 
 # -- the capture worker on a store in a bucket ---------------------------------------------------
 def test_capture_worker_uploads_each_checked_file_once_and_leaves_nothing_on_local_disk(
