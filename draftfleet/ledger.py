@@ -20,6 +20,11 @@ round began); rounds shrink until less than one response fits, and the dataset c
 queue is purged, later tasks are skipped). Waiting rounds have no stragglers to guess about, so
 the total lands within about one response of the budget.
 
+Admission runs only on counters the store vouches for: ``rk.COUNTERS_BUILT`` is set by the rebuild
+from the store alone (reconcile.py) and goes with everything else when Redis loses its data, so
+a flushed Redis answers LOST instead of admitting on counters back at zero (which would spend a
+closed budget a second time); the spend caps are checked the same way (:meth:`Ledger.spend_known`).
+
 Redis work per admission does not grow with what is in flight. The reserved total is kept as
 aggregates updated when a reservation is taken, changes state or is settled: a reservation is
 ``young`` (it holds its expected tokens), ``old`` (it holds twice what one stream made since its
@@ -42,7 +47,7 @@ import msgspec
 import redis
 
 from draftfleet import redis_keys as rk
-from draftfleet.schemas.records import ResponseRecord
+from draftfleet.schemas.records import ChargeRecord, ResponseRecord
 
 RATE_BUCKET_S = 10
 RATE_KEEP_S = 900
@@ -180,6 +185,33 @@ if have ~= total then redis.call('HSET', KEYS[3], 'paid_tokens', total) end
 return total - have
 """
 
+# After Redis lost its data: a reservation again for a key a running task holds (its claim, put back
+# by its worker's heartbeat) that has none and is not counted, so that a rebuilt budget sees it.
+_RESTORE = _SETTLE + """
+local tok = redis.call('GET', ARGV[4] .. ARGV[1])
+if not tok or redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then
+  return 0
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local A = load(KEYS[3])
+if A.n <= 0 then A = {n = 0, ey = 0, no = 0, so = 0, co = 0, cc = 0, t0 = now} end
+A.n = A.n + 1
+A.ey = A.ey + tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. now .. ':y:' .. ARGV[3] .. ':' .. tok)
+local ttl = redis.call('PTTL', ARGV[4] .. ARGV[1])
+redis.call('ZADD', KEYS[2], now + ((ttl > 0) and ttl or tonumber(ARGV[5])), ARGV[1])
+save(KEYS[3], A)
+return 1
+"""
+
+# A charge (a paid generation no record carries) into its backend's spend once, by its id.
+_CHARGE = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[2], 'cost_micro_usd', ARGV[2])
+return 1
+"""
+
 _RELEASE = _SETTLE + "return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])"
 
 # Drop a reservation only if the claim it was taken under is gone (checked here, atomically with
@@ -193,6 +225,8 @@ return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 _ADMIT = _SETTLE + """
 local res, due, agg = KEYS[2], KEYS[5], KEYS[6]
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+-- counters not rebuilt from the store since Redis lost them (or was new): admit nothing on them
+if redis.call('EXISTS', KEYS[8]) == 0 then return -2 end
 local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms')
 local counted, responses = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local sq, latency_ms = tonumber(f[3] or '0'), tonumber(f[4] or '0')
@@ -318,7 +352,8 @@ for i = 1, #keep, 1000 do redis.call('RPUSH', KEYS[2], unpack(keep, i, math.min(
 return n - #keep
 """
 
-ADMITTED, WAIT, REFUSED, CLOSED = 1, 2, 0, -1
+# LOST: the counters are not known to be the store's (``rk.COUNTERS_BUILT`` is gone): rebuild them first.
+ADMITTED, WAIT, REFUSED, CLOSED, LOST = 1, 2, 0, -1, -2
 
 
 class BudgetUse(msgspec.Struct, frozen=True, kw_only=True):
@@ -380,6 +415,8 @@ class Ledger:
         self._drop_dead = client.register_script(_DROP_DEAD)
         self._prepay = client.register_script(_PREPAY)
         self._rebuild_paid = client.register_script(_REBUILD_PAID)
+        self._charge = client.register_script(_CHARGE)
+        self._restore = client.register_script(_RESTORE)
 
     # -- counting --------------------------------------------------------------------------
     def count(self, record: ResponseRecord, now: float | None = None, *, rate: bool = True) -> bool:
@@ -441,13 +478,18 @@ class Ledger:
         """The turns of a conversation marked as paid."""
         return {int(t) for t in self.r.hkeys(rk.prepaid(dataset, key))}
 
-    def charge(self, backend: str, cost_usd: float) -> None:
+    def charge(self, charge: ChargeRecord) -> bool:
         """Add a generation no stored record carries (a twin stored the key first, or an answer
-        billed but unusable: empty, not re-tokenizable) to the backend's spend: it was paid for,
-        and the spend cap must see it. (A conversation's turns are added
-        as they are paid: :meth:`prepay`.)"""
-        if cost_usd:
-            self.r.hincrby(rk.spend(backend), "cost_micro_usd", micro_usd(cost_usd))
+        billed but unusable: empty, not re-tokenizable) to the backend's spend, once by its id:
+        it was paid for, and the spend cap must see it. The caller keeps it in the store first
+        (``Store.put_charge``), so that the spend rebuilt after Redis lost it holds it too. (A
+        conversation's turns are added as they are paid: :meth:`prepay`.) Whether it was new."""
+        return bool(self._charge(keys=[rk.CHARGED, rk.spend(charge.backend)], args=[charge.id, micro_usd(charge.cost_usd)]))
+
+    def counters_built(self) -> bool:
+        """Whether the counters were rebuilt from the store since Redis last lost its data
+        (``rk.COUNTERS_BUILT``): only then do admission and the spend caps trust them."""
+        return bool(self.r.exists(rk.COUNTERS_BUILT))
 
     def event(self, dataset: str, name: str, n: int = 1) -> None:
         """Count a retry, failure or skip by reason (``retry:http_429``, ``failed:timeout``...)."""
@@ -475,14 +517,15 @@ class Ledger:
 
     def admit(self, dataset: str, key: str, token: str, budget: int, expected: int, max_tokens: int) -> int:
         """ADMITTED (reservation held), WAIT (no room unless what is in flight comes in short),
-        REFUSED (this call closed the dataset) or CLOSED. Needs the task's claim, held under
+        REFUSED (this call closed the dataset), CLOSED, or LOST (the counters were not rebuilt
+        from the store since Redis lost its data: nothing is admitted on them). Needs the task's claim, held under
         ``token``: the reservation is that claim's (released by it, dropped once it is gone).
         ``max_tokens`` is the most the task can make, what its reservation may grow to.
 
         ``budget`` counts only while the dataset has no published budget (assign.py)."""
         return int(self._admit(
             keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
-                  *self._reservation_index(dataset), rk.DATASETS],
+                  *self._reservation_index(dataset), rk.DATASETS, rk.COUNTERS_BUILT],
             args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset, token],
         ))
 
@@ -494,6 +537,16 @@ class Ledger:
         """Settle the reservation the task holding the claim ``token`` took (it ends without a
         counted result); one another copy of the key took since is left alone."""
         self._release(keys=[rk.reservations(dataset), *self._reservation_index(dataset)], args=[key, token])
+
+    def restore(self, dataset: str, max_tokens: int) -> int:
+        """Reserve again for every key of ``dataset`` a running task holds with no reservation (Redis
+        lost them, and the worker's heartbeat put its claims back): the expected tokens of a new
+        prompt, growing as any reservation does up to ``max_tokens``; how many."""
+        prefix = rk.claim(dataset, "")
+        held = [k.decode()[len(prefix):] for k in self.r.scan_iter(match=prefix + "*", count=1000)]
+        expected = self.reservation(dataset, max_tokens)
+        keys = [rk.reservations(dataset), *self._reservation_index(dataset), rk.counted_set(dataset)]
+        return sum(int(self._restore(keys=keys, args=[k, expected, max_tokens, prefix, RECHECK_MS])) for k in held)
 
     def drop_dead(self, dataset: str) -> int:
         """Drop every reservation whose claim is gone or held by another copy (a full pass, for
@@ -524,6 +577,15 @@ class Ledger:
     # -- reading ---------------------------------------------------------------------------
     def spend_usd(self, backend: str) -> float:
         return int(self.r.hget(rk.spend(backend), "cost_micro_usd") or 0) / 1_000_000
+
+    def spend_known(self, backend: str) -> float | None:
+        """The backend's spend, in one round trip with whether the counters are the store's; None
+        when they are not (Redis lost them): a spend cap must not be checked against them."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(rk.spend(backend), "cost_micro_usd")
+        pipe.exists(rk.COUNTERS_BUILT)
+        spent, built = pipe.execute()
+        return int(spent or 0) / 1_000_000 if built else None
 
     def dataset_totals(self, dataset: str) -> dict[str, int]:
         return _decode_hash(self.r.hgetall(rk.dataset_totals(dataset)))

@@ -33,18 +33,21 @@ import msgspec
 
 from draftfleet.s3 import Bucket, S3Error
 from draftfleet.schemas.config import NAME_RE, StoreS3Section
-from draftfleet.schemas.records import DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry, TurnProgress
+from draftfleet.schemas.records import (ChargeRecord, DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry,
+                                        TurnProgress)
 from draftfleet.store import (
     _FLEET_ENTRIES,
     MARKER,
     Store,
     StoreError,
+    _charge_decoder,
     _encoder,
     _event_decoder,
     _failure_decoder,
     _manifest_decoder,
     _quarantine_decoder,
     _quarantine_id,
+    check_charge_id,
     check_key,
     check_name,
 )
@@ -321,6 +324,12 @@ class ObjectStore(Store):
         for e in entries:  # named by what identifies the rejection: a re-run's is the same object
             name = hashlib.sha256(_encoder.encode(_quarantine_id(e))).hexdigest()
             self._create_object(self._key(*base, f"{name}.json"), _encoder.encode(e))
+
+    def put_charge(self, charge: ChargeRecord) -> None:
+        self._create_object(self._key("_charges", f"{check_charge_id(charge.id)}.json"), _encoder.encode(charge))
+
+    def charges(self) -> list[ChargeRecord]:
+        return sorted(self._documents(self._key("_charges", ""), _charge_decoder), key=lambda c: c.id)
 
     def log(self, event: DatasetEvent) -> None:
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"

@@ -7,7 +7,11 @@ those same keys' records; any difference is drift, reported and corrected with i
 while workers keep counting); (3) the paid turns of conversations not stored yet: every turn kept
 in ``_progress/`` is marked as paid (a mark Redis lost is made again, its cost and tokens counted),
 and ``paid_tokens`` is set to the sum of the marks of keys not counted; (4) reservations left by
-dead workers (no claim, or another copy's) are dropped.
+dead workers (no claim, or another copy's) are dropped. The kept charges (paid generations no
+record carries) are counted into the spend once each.
+
+After Redis lost its data the counters are not trusted until :func:`ensure_counters` has rebuilt
+them: budget admission and the spend caps wait for it (``rk.COUNTERS_BUILT``), and so does enqueue.
 Records are write-once, so each is read once and its figures cached for later passes. A record
 file that cannot be read (empty, corrupt, a dangling link) is no result: it is set aside, so the
 next ``enqueue`` sends its prompt again.
@@ -15,9 +19,12 @@ next ``enqueue`` sends its prompt again.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
+import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,10 +33,22 @@ import redis
 
 from draftfleet import redis_keys as rk
 from draftfleet.ledger import Ledger, micro_usd
+from draftfleet.queues import lost_claims_settle_s
 from draftfleet.store import Store
 
 FIELDS = ("responses", "prompt_tokens", "completion_tokens", "cost_micro_usd")
 SET_ASIDE_CLAIM_S = 10
+REBUILD_LOCK_S = 30
+REBUILD_POLL_S = 0.2
+log = logging.getLogger("draftfleet.reconcile")
+# The marker vouches for the rebuild only if Redis kept its data while it ran (the same STATE stamp).
+_MARK_BUILT = """
+if (redis.call('GET', KEYS[1]) or '') ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[1])
+return 1
+"""
+_RELEASE_LOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+_REFRESH_LOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end return 0"
 
 
 class _TurnFigures(msgspec.Struct, frozen=True):
@@ -75,6 +94,7 @@ class Reconciler:
         self.r = r
         self.ledger = Ledger(r)
         self._cache: dict[tuple[str, str], _Figures] = {}
+        self._mark_built = r.register_script(_MARK_BUILT)
 
     def _read(self, dataset: str, keys: set[str], unreadable: list[str],
               broken: set[str] | None = None) -> dict[str, _Figures]:
@@ -213,4 +233,65 @@ class Reconciler:
         return remarked, self.ledger.rebuild_paid(dataset)
 
     def reconcile_all(self, datasets: list[str] | None = None) -> list[Drift]:
-        return [self.reconcile(d) for d in (datasets or self.store.datasets())]
+        """A pass over ``datasets`` (default: every dataset in the store), and the kept charges."""
+        drifts = [self.reconcile(d) for d in (datasets or self.store.datasets())]
+        self.count_charges()
+        return drifts
+
+    def count_charges(self) -> int:
+        """Count into the spend every kept charge not counted yet (once, by its id); how many."""
+        return sum(self.ledger.charge(c) for c in self.store.charges())
+
+    def rebuild(self) -> bool:
+        """Rebuild every counter from the store (every dataset, the paid turns, the charges), then
+        mark them built: True, unless Redis lost its data again meanwhile (the marker would then
+        vouch for counters made partly before the loss: it is not set, and a rebuild runs again).
+
+        Waits first for running workers to put their claims back (``queues.lost_claims_settle_s``),
+        so that the reservations of what they generate now are made again (``Ledger.restore``)
+        before anything is admitted: the flush loses the work in flight, never the budget."""
+        time.sleep(lost_claims_settle_s(self.r))
+        stamp = self.r.get(rk.STATE)
+        self.reconcile_all()
+        for dataset in self.store.datasets():
+            manifest = self.store.manifest(dataset)
+            if manifest is not None and manifest.budget_tokens is not None:
+                self.ledger.restore(dataset, manifest.settings.max_tokens)
+        return bool(self._mark_built(keys=[rk.STATE, rk.COUNTERS_BUILT], args=[stamp or b""]))
+
+
+def ensure_counters(store: Store, r: redis.Redis, *, wait: bool) -> bool:
+    """Whether the counters are the store's (``rk.COUNTERS_BUILT``), rebuilding them when they are
+    not: one process at a time, under ``rk.REBUILD_LOCK`` (refreshed while it runs). Admission and
+    the spend caps never run on counters Redis lost (a flush would spend a closed budget twice).
+    Without ``wait``, False while another process rebuilds; with it, returns once they are built."""
+    ledger = Ledger(r)
+    token = f"rebuild@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
+    while not ledger.counters_built():
+        if r.set(rk.REBUILD_LOCK, token, nx=True, ex=REBUILD_LOCK_S):
+            done = threading.Event()
+            keeper = threading.Thread(target=_keep_lock, args=(r, token, done), name="draftfleet-rebuild", daemon=True)
+            keeper.start()
+            try:
+                log.warning("the counters are not the store's (Redis lost its data, or is new): rebuilding them "
+                            "from %s before admitting any budget or spend", store.location)
+                if Reconciler(store, r).rebuild():
+                    log.warning("counters rebuilt from %s", store.location)
+            finally:
+                done.set()
+                keeper.join()
+                r.eval(_RELEASE_LOCK, 1, rk.REBUILD_LOCK, token)
+        elif not wait:
+            return False
+        else:
+            time.sleep(REBUILD_POLL_S)
+    return True
+
+
+def _keep_lock(r: redis.Redis, token: str, done: threading.Event) -> None:
+    """Refresh the rebuild lock while its holder runs (a large store takes minutes to read)."""
+    while not done.wait(REBUILD_LOCK_S / 3):
+        try:
+            r.eval(_REFRESH_LOCK, 1, rk.REBUILD_LOCK, token, REBUILD_LOCK_S)
+        except redis.RedisError:
+            continue

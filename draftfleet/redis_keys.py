@@ -118,6 +118,15 @@ def paid_keys(dataset: str) -> str:
     return f"{PREFIX}paid_keys:{dataset}"
 
 
+# The spend's share that no record carries (store ``_charges/``): the ids of the charges counted.
+CHARGED = f"{PREFIX}charged"
+# Set (to the ``STATE`` stamp it was built under) only by the rebuild of the counters from the store
+# (reconcile.py): absent, the counters may have been lost with Redis, so no budget is admitted and no
+# spend cap is trusted until one worker has rebuilt them (under REBUILD_LOCK; the others wait).
+COUNTERS_BUILT = f"{PREFIX}counters_built"
+REBUILD_LOCK = f"{PREFIX}rebuild_lock"
+
+
 def events(dataset: str) -> str:
     """Counters of retries and failures by reason (hash)."""
     return f"{PREFIX}events:{dataset}"

@@ -14,6 +14,7 @@ Layout under the root::
     _log/<dataset>.jsonl               pivots, drains and budget changes, for the report
     _progress/<dataset>/<key>.json     completed turns of a conversation still being generated, or
                                        stopped by the budget (no result yet: it goes on when raised)
+    _charges/<id>.json                 generations paid for that no record carries (the spend's rest)
     _hidden/<dataset>/v<N>/...         captured hidden states, one file per record turn (hidden.py)
     .draftfleet-store                  marker: this folder is a fleet store (see ``Store.prepare``)
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -47,6 +49,7 @@ from draftfleet.schemas.config import NAME_RE
 if TYPE_CHECKING:
     from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import (
+    ChargeRecord,
     DatasetEvent,
     DatasetManifest,
     FailureRecord,
@@ -61,7 +64,7 @@ FILE_MODE = 0o444
 APPEND_MODE = 0o644  # the quarantine files and the decision logs, appended to by every enqueue
 MARKER = ".draftfleet-store"
 # What a store made before the marker existed can hold: it is recognised, and marked.
-_FLEET_ENTRIES = {"_redis", "_failures", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "_log",
+_FLEET_ENTRIES = {"_redis", "_failures", "_charges", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "_log",
                   "lost+found"}
 _TEMP_RE = re.compile(r"^\.tmp-[A-Za-z0-9_]+\.json$")  # _write_temp's names (tempfile.mkstemp)
 _encoder = msgspec.json.Encoder()
@@ -70,6 +73,7 @@ _failure_decoder = msgspec.json.Decoder(FailureRecord)
 _manifest_decoder = msgspec.json.Decoder(DatasetManifest)
 _quarantine_decoder = msgspec.json.Decoder(QuarantineEntry)
 _event_decoder = msgspec.json.Decoder(DatasetEvent)
+_charge_decoder = msgspec.json.Decoder(ChargeRecord)
 
 
 def _quarantine_id(e: QuarantineEntry) -> tuple:
@@ -92,6 +96,20 @@ def check_key(key: str) -> str:
     if not isinstance(key, str) or not KEY_RE.match(key):
         raise StoreError(f"malformed key {key!r}: expected 64 hex characters")
     return key
+
+
+CHARGE_ID_RE = re.compile(r"^[0-9]{20}-[0-9a-f]{12}$")
+
+
+def new_charge_id() -> str:
+    """A charge's id: its time (so the store lists charges in order) and a random part."""
+    return f"{time.time_ns():020d}-{secrets.token_hex(6)}"
+
+
+def check_charge_id(charge_id: str) -> str:
+    if not CHARGE_ID_RE.match(charge_id):
+        raise StoreError(f"bad charge id {charge_id!r}")
+    return charge_id
 
 
 def _why(exc: OSError) -> str:
@@ -322,6 +340,15 @@ class Store(ABC):
                    for t in getattr(self.progress(dataset, key), "turns", []))
 
     # -- what only grows -----------------------------------------------------------------
+    @abstractmethod
+    def put_charge(self, charge: ChargeRecord) -> None:
+        """Keep a paid generation no record carries, once (its id), before the spend counts it:
+        the spend rebuilt from the store (records, kept turns, charges) is then the whole spend."""
+
+    @abstractmethod
+    def charges(self) -> list[ChargeRecord]:
+        """Every kept charge, oldest first (an unreadable one is skipped)."""
+
     @abstractmethod
     def quarantine_location(self, dataset: str) -> str:
         """Where the dataset's quarantined lines are, for messages."""
@@ -567,6 +594,18 @@ class FileStore(Store):
                 fh.write((b"\n" if old and not old.endswith(b"\n") else b"") + b"".join(new))
                 fh.flush()
                 os.fsync(fh.fileno())
+
+    def put_charge(self, charge: ChargeRecord) -> None:
+        write_once(self.root / "_charges" / f"{check_charge_id(charge.id)}.json", _encoder.encode(charge))
+
+    def charges(self) -> list[ChargeRecord]:
+        out = []
+        for p in sorted((self.root / "_charges").glob("*.json")):
+            try:
+                out.append(_charge_decoder.decode(p.read_bytes()))
+            except (OSError, msgspec.DecodeError):
+                continue
+        return out
 
     def log_path(self, dataset: str) -> Path:
         return self.root / "_log" / f"{check_name(dataset)}.jsonl"

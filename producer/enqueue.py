@@ -2,7 +2,8 @@
 
 Resume is the default and needs no state of its own: a key is skipped when the store holds its
 result, when it is already queued or held by a worker (read from Redis itself), or when it failed
-before (unless ``retry_failed``). Running enqueue twice, or again after Redis lost everything,
+before (unless ``retry_failed``); nothing is queued of a dataset whose budget the store shows spent
+(the counters rebuilt from the store first when Redis lost them). Running enqueue twice, or again after Redis lost everything,
 queues exactly what is missing. A dataset's manifest pins the settings its keys were made with.
 
 Sending is the costly part of a large enqueue (bench/enqueue.py): messages are built by Celery
@@ -27,6 +28,7 @@ from draftfleet.assign import publish, published
 from draftfleet.identity import prompt_key, settings_id
 from draftfleet.ledger import Ledger
 from draftfleet.queues import await_lost_claims, claimed_keys, queued_keys
+from draftfleet.reconcile import ensure_counters
 from draftfleet.schemas.config import DatasetConfig, FleetConfig
 from draftfleet.schemas.records import DatasetEvent, DatasetManifest, Message, PromptTask
 from draftfleet.store import Store
@@ -132,9 +134,14 @@ def enqueue_dataset(
         closed_at = None
     elif closed_at is None and before is not None and _raised(ds.budget_tokens, before.budget_tokens):
         ledger.reopen(ds.name)  # raised while closing rounds ran: admission starts afresh
-    summary.closed = closed_at is not None
     # Claims before the store: a key whose claim ends meanwhile was stored (seen below) or given back.
     await_lost_claims(r)
+    # The counters as the store has them (rebuilt first when Redis lost them), so that a dataset the
+    # store holds at its budget queues nothing, also when Redis forgot that it closed.
+    ensure_counters(store, r, wait=True)
+    full = ds.budget_tokens is not None and ledger.budget_use(ds.name, ds.budget_tokens,
+                                                             manifest.settings.max_tokens).full
+    summary.closed = closed_at is not None or full
     held = claimed_keys(r, ds.name)
     done = store.keys(ds.name)
     queued = queued_keys(r, ds.name)

@@ -165,6 +165,22 @@ class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):
     task: PromptTask
 
 
+class ChargeRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A generation paid for that no stored record carries (a twin stored the key first; an answer
+    billed but unusable): kept in the store under its ``id`` so that a spend rebuilt from the store
+    after Redis lost its counters still holds it, and counted once into the spend by that id."""
+
+    schema_version: int = SCHEMA_VERSION
+    id: str  # <ns since the epoch>-<random hex>: unique, and the store's order
+    backend: str
+    cost_usd: float
+    dataset: str
+    key: str
+    reason: str  # twin_stored, or the backend's error kind (empty_answer, not_retokenizable...)
+    worker: str
+    at: float
+
+
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     """What a running worker publishes each heartbeat at ``rk.worker_report`` (a TTL of three
     beats: a killed worker drops out); ``draftfleet status`` and ``pivot`` read it."""

@@ -312,6 +312,7 @@ def test_paid_turns_are_spent_in_every_view_as_admission_counts_them(tmp_path, r
     cfg = load_config(config)
     store = open_store(cfg)
     r = redis_server.client()
+    r.set(rk.COUNTERS_BUILT, "by hand")  # the counters below are made as the store's: admission trusts them
     ledger, now = Ledger(r), time.time()
     rec = record(f"{1:064x}", "B3_magicoder", 20, backend="openrouter", kind="cloud", created_at=now - 60, latency_s=2.0,
                  cost_usd=0.00005, cost_source="provider")

@@ -16,7 +16,7 @@ from pathlib import Path
 from draftfleet import redis_keys as rk
 from draftfleet.assign import live_budgets
 from draftfleet.broker import connect, redact, resolve_redis_url
-from draftfleet.reconcile import Reconciler
+from draftfleet.reconcile import Reconciler, ensure_counters
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.store import make_dirs, open_store
 from draftfleet.workers.app import make_app
@@ -39,6 +39,8 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
 
     @app.task(name=RECONCILE_TASK, ignore_result=True, acks_late=False)
     def reconcile():
+        # counters Redis lost are rebuilt from the store first, unless a worker is at it already
+        ensure_counters(reconciler.store, r, wait=False)
         # the datasets as they are now: also those enqueued since this process started
         for drift in reconciler.reconcile_all(list(live_budgets(cfg, r))):
             if drift.corrections or drift.newly_counted or drift.counted_not_stored or drift.unreadable:

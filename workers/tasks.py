@@ -29,11 +29,12 @@ from draftfleet.assign import assigned, published
 from draftfleet.claims import Claims
 from draftfleet.conversation import answers, conversation_record, history, runs, single_record
 from draftfleet.identity import task_problem
-from draftfleet.ledger import ADMITTED, REFUSED, WAIT, Ledger
+from draftfleet.ledger import ADMITTED, LOST, REFUSED, WAIT, Ledger
+from draftfleet.reconcile import ensure_counters
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import (FailureRecord, GenerationSettings, PromptTask, ResponseRecord, Turn, TurnProgress,
-                                        WorkerReport)
-from draftfleet.store import Store, StoreError, check_key, check_name
+from draftfleet.schemas.records import (ChargeRecord, FailureRecord, GenerationSettings, PromptTask, ResponseRecord,
+                                        Turn, TurnProgress, WorkerReport)
+from draftfleet.store import Store, StoreError, check_key, check_name, new_charge_id
 from draftfleet.workers.backends import Backend, BackendError, Generation, Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
 from draftfleet.workers.engine import EngineClient, ServerDown
@@ -235,10 +236,30 @@ class Runtime:
         self.sync()
         self.heartbeat()
 
+    def counters_known(self) -> bool:
+        """Whether the counters are the store's, rebuilding them here when no other process is
+        (``reconcile.ensure_counters``): False while another one rebuilds them."""
+        return ensure_counters(self.store, self.r, wait=False)
+
+    def charge(self, task: PromptTask, backend: str, cost_usd: float, reason: str) -> None:
+        """A generation paid for that no record will carry: kept in the store, then into the spend."""
+        if not cost_usd:
+            return
+        charge = ChargeRecord(id=new_charge_id(), backend=backend, cost_usd=cost_usd, dataset=task.dataset,
+                              key=task.key, reason=reason, worker=self.hostname, at=time.time())
+        self.store.put_charge(charge)
+        self.ledger.charge(charge)
+
     def check_spend(self) -> None:
-        """A cloud backend stops at its spend cap; the queue keeps what is left."""
+        """A cloud backend stops at its spend cap; the queue keeps what is left. A spend Redis lost
+        is no spend: the worker waits (paused) until the counters are rebuilt from the store."""
         if self.spend_cap is not None:
-            spent = self.ledger.spend_usd(self.backend.name)
+            spent = self.ledger.spend_known(self.backend.name)
+            if spent is None and self.counters_known():
+                spent = self.ledger.spend_known(self.backend.name)
+            if spent is None:
+                raise Halt("counters_rebuilding", "Redis lost the spend counters; another process is rebuilding "
+                           "them from the store", ready=self.ledger.counters_built)
             if spent >= self.spend_cap:
                 raise Halt("spend_cap", f"{self.backend.name} has spent ${spent:.2f} of its "
                            f"max_spend_usd ${self.spend_cap:.2f}: raise it in the config to go on")
@@ -318,7 +339,7 @@ def _ask(rt: Runtime, task: PromptTask, asked: PromptTask | None) -> Generation:
         return rt.backend.generate(asked or task)
     except BackendError as exc:
         if exc.paid_usd:
-            rt.ledger.charge(rt.backend.name, exc.paid_usd)
+            rt.charge(task, rt.backend.name, exc.paid_usd, exc.reason)
             rt.ledger.event(task.dataset, f"paid_unused:{exc.reason}")
         raise
 
@@ -397,6 +418,13 @@ def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1, turns
         return True
     expected = rt.ledger.reservation(task.dataset, task.settings.max_tokens, turns, turns_left)
     verdict = rt.ledger.admit(task.dataset, task.key, token, budget, expected, task.settings.max_tokens * turns_left)
+    if verdict == LOST and rt.counters_known():  # rebuilt from the store just now: admission runs on them
+        expected = rt.ledger.reservation(task.dataset, task.settings.max_tokens, turns, turns_left)
+        verdict = rt.ledger.admit(task.dataset, task.key, token, budget, expected,
+                                  task.settings.max_tokens * turns_left)
+    if verdict == LOST:  # another process rebuilds the counters: nothing is admitted on lost ones
+        rt.hold(task.dataset)
+        raise Reject(f"{task.dataset}: admission waits for the counters to be rebuilt from the store", requeue=True)
     if verdict == ADMITTED:
         return True
     if verdict == WAIT:
@@ -533,7 +561,7 @@ def execute(task_self, payload: object) -> str:
             # A twin stored the key while we generated; ours was paid for all the same (a
             # conversation's turns are in the spend already: added as they were paid).
             if not record.turns:
-                rt.ledger.charge(record.backend, record.cost_usd)
+                rt.charge(task, record.backend, record.cost_usd, "twin_stored")
             return _count_existing(rt, task, set_aside=False) or "duplicate"
         rt.ledger.count(record)
         if record.truncated:
