@@ -36,6 +36,7 @@ log = logging.getLogger("draftfleet.worker")
 # The heartbeat refreshes claims six times a TTL. DRAFTFLEET_CLAIM_TTL_S shortens it (fault tests).
 CLAIM_TTL_S = max(6, int(os.environ.get("DRAFTFLEET_CLAIM_TTL_S", "120")))
 HEARTBEAT_S = CLAIM_TTL_S / 6
+_report_decoder = msgspec.json.Decoder(WorkerReport)
 
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 _REFRESH = """
@@ -182,3 +183,10 @@ class Claims:
                 self._release(keys=[key], args=[token])
             except redis.RedisError:
                 return  # they expire on their own
+
+
+def worker_reports(r: redis.Redis) -> list[WorkerReport]:
+    """Every live worker's last report (``Claims.beat`` writes them; status, plan and pivot read them)."""
+    keys = list(r.scan_iter(match=rk.worker_report("*"), count=500))
+    values = r.mget(keys) if keys else []
+    return [_report_decoder.decode(v) for v in values if v]

@@ -170,6 +170,8 @@ def test_tasks_that_reach_the_workers_before_any_rebuild_are_not_admitted_on_los
     bud_before, paid_before = len(store.keys("bud")), len(store.keys("paid"))
 
     r.flushall()
+    res = run_cli("status", "--config", str(config), "--json", env=env)
+    assert res.returncode == 0 and json.loads(res.stdout)["counters_built"] is False, res.stderr
     for d, raw in messages.items():  # the tasks with no result, as first sent, straight back on their queue
         done = store.keys(d)
         r.rpush(rk.queue(d), *(m for m in raw if json.loads(m)["headers"]["id"] not in done))

@@ -15,8 +15,8 @@ from draftfleet.ledger import Ledger
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import WorkerReport
 from draftfleet.store import open_store
-from draftfleet.views.status import (BackendRow, DatasetRow, Snapshot, SpendRow, WorkerRow, render, snapshot,
-                                     worker_reports)
+from draftfleet.claims import worker_reports
+from draftfleet.views.status import BackendRow, DatasetRow, Snapshot, SpendRow, WorkerRow, render, snapshot
 
 from tests.conftest import run_cli, wait_until, write_config, write_jsonl
 from tests.test_fleet import _chat_rows, _enqueue

@@ -42,7 +42,7 @@ def fleet_redis(args, cfg, *, start: bool = False):
 
 
 def plans(cfg, invs, r) -> list:
-    from draftfleet.views.plan import plan_from_inventory
+    from draftfleet.views.inventory import plan_from_inventory
 
     return [plan_from_inventory(cfg, inv, r) for inv in invs]
 

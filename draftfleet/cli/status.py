@@ -11,7 +11,8 @@ def cmd_status(args) -> int:
     import msgspec
     from rich.live import Live
 
-    from draftfleet.views.status import render, snapshot, worker_reports
+    from draftfleet.claims import worker_reports
+    from draftfleet.views.status import render, snapshot
 
     cfg = config(args)
     names = args.dataset or None  # checked by snapshot: datasets enqueued since the config changed count too

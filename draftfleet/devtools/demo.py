@@ -32,6 +32,7 @@ from draftfleet.broker import EmbeddedRedis, connect
 from draftfleet.devtools import samples
 from draftfleet.schemas.config import load_config
 from draftfleet.store import Store, open_store
+from draftfleet.claims import worker_reports
 from draftfleet.views import status
 from draftfleet.views.plan import plan_from_redis, render_plans
 
@@ -142,7 +143,7 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
             if dead or time.monotonic() - started > timeout_s:
                 raise _Failed("a worker exited" if dead else f"timed out after {timeout_s:.0f}s")
 
-        while len(status.worker_reports(r)) < len(procs):
+        while len(worker_reports(r)) < len(procs):
             alive()
             time.sleep(0.2)
         app = make_app(url, cfg.fleet.visibility_timeout_s)
@@ -165,7 +166,7 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
             time.sleep(0.25)
         say("   " + "   ".join(_progress(d) for d in snap.datasets))
         # 2. the plan
-        reports = status.worker_reports(r)
+        reports = worker_reports(r)
         plan = [plan_from_redis(cfg, r, d.dataset, budget=d.budget, prompts_left=d.queue_depth + d.held,
                                 reports=reports) for d in snap.datasets]
         say("\n[bold]2. The plan[/] `draftfleet plan`: what is left, and the time and money to finish it on each side")

@@ -33,7 +33,8 @@ from draftfleet.store import Store, open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.versions import Selection, select
 from draftfleet.ledger import BudgetUse
-from draftfleet.views.plan import Activity, DatasetPlan, budget_from_store, busy_seconds
+from draftfleet.views.plan import (Activity, DatasetPlan, StoreFigures, budget_from_store, busy_seconds,
+                                  plan_from_store)
 
 _decode = msgspec.json.Decoder(ResponseRecord).decode
 _msg_encoder = msgspec.json.Encoder()
@@ -414,3 +415,10 @@ def _hidden_inventory(store: Store, inv: DatasetInventory, verify: bool = False)
                                                            inv.completion_tokens),
                            verified=verified, unsealed=unsealed, bad_files=bad)
 
+
+def plan_from_inventory(cfg: FleetConfig | None, inv: DatasetInventory, r: redis.Redis | None) -> DatasetPlan:
+    """The plan from an inventory: see :func:`plan_from_store`."""
+    return plan_from_store(cfg, StoreFigures(
+        dataset=inv.dataset, responses=inv.responses, completion_tokens=inv.completion_tokens,
+        prompt_tokens=inv.prompt_tokens, budget=inv.budget, prompts_left=inv.prompts_left,
+        activity=inv.activity), r)

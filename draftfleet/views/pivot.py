@@ -16,7 +16,7 @@ import redis
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import KINDS, assign, kinds_for
-from draftfleet.views.status import worker_reports
+from draftfleet.claims import worker_reports
 from draftfleet.workers.tasks import ASSIGNMENT_POLL_S
 
 

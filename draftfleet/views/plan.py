@@ -19,14 +19,13 @@ neither paused nor waiting for its server); with none the dataset is ``stalled``
 Records brought in by ``import`` (and counted late by the reconciler) are no backend's rate.
 
 API: :func:`plan_dataset` (pure, from figures) makes a :class:`DatasetPlan`; :func:`plan_from_redis`
-(status, metrics), :func:`plan_from_inventory` (plan, inventory, pivot) and :func:`plan_from_store`
+(status, metrics), :func:`draftfleet.views.inventory.plan_from_inventory` (plan, inventory, pivot) and :func:`plan_from_store`
 (report) gather the figures; :func:`render_plans` is the rich table every command prints.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 import redis
@@ -37,12 +36,10 @@ from rich.table import Table
 from rich.text import Text
 
 from draftfleet.assign import kinds_for
+from draftfleet.claims import worker_reports
 from draftfleet.ledger import BudgetUse, Ledger, budget_use, reservation
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import WorkerReport
-
-if TYPE_CHECKING:
-    from draftfleet.views.inventory import DatasetInventory
 
 WINDOW_S = 600
 ENGINES = ("sglang", "vllm")  # the GPU backends' names (a GPU worker's backend is its engine)
@@ -277,19 +274,9 @@ def budget_from_store(budget: int | None, stored: int, paid: int, responses: int
     return budget_use(budget, stored, paid, reservation(responses, stored, max_tokens or 1, turns))
 
 
-def plan_from_inventory(cfg: FleetConfig | None, inv: DatasetInventory, r: redis.Redis | None) -> DatasetPlan:
-    """The plan from an inventory: see :func:`plan_from_store`."""
-    return plan_from_store(cfg, StoreFigures(
-        dataset=inv.dataset, responses=inv.responses, completion_tokens=inv.completion_tokens,
-        prompt_tokens=inv.prompt_tokens, budget=inv.budget, prompts_left=inv.prompts_left,
-        activity=inv.activity), r)
-
-
 def plan_from_store(cfg: FleetConfig | None, f: StoreFigures, r: redis.Redis | None) -> DatasetPlan:
     """The plan from the store's figures (counts, busy time, provider costs), with the ledger's
     recent rates, the worker reports and the assignment when Redis is at hand (``r``)."""
-    from draftfleet.views.status import worker_reports
-
     reports = worker_reports(r) if r is not None else []
     kinds = _backends(cfg, reports, {a.backend: a.kind for a in f.activity})
     names = sorted(kinds)

@@ -21,13 +21,12 @@ from rich.text import Text
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import kinds_for, live_budgets, published
+from draftfleet.claims import worker_reports
 from draftfleet.ledger import BudgetUse, Ledger
 from draftfleet.queues import depth, held, next_answers
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import WorkerReport
 from draftfleet.views.plan import DatasetPlan, plan_from_redis, render_plans, usd
 
-_report_decoder = msgspec.json.Decoder(WorkerReport)
 
 
 class WorkerRow(msgspec.Struct, kw_only=True):
@@ -101,12 +100,9 @@ class Snapshot(msgspec.Struct, kw_only=True):
     spend: list[SpendRow]
     capture: list[CaptureRow] = []
     plans: list[DatasetPlan] = []
-
-
-def worker_reports(r: redis.Redis) -> list[WorkerReport]:
-    keys = list(r.scan_iter(match=rk.worker_report("*"), count=500))
-    values = r.mget(keys) if keys else []
-    return [_report_decoder.decode(v) for v in values if v]
+    # False after Redis lost its data, until the counters are rebuilt from the store: the figures
+    # are partial meanwhile, and budgets and spend caps admit nothing on them (ops/recover-redis.md)
+    counters_built: bool = True
 
 
 def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None) -> Snapshot:
@@ -167,7 +163,7 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
              for name, cb in sorted(cfg.clouds.items())]
     return Snapshot(at=now, workers=workers, datasets=rows, spend=spend,
                     capture=capture_rows(r, [n for n, _ in chosen], {d.dataset: d.remaining_tokens for d in rows}),
-                    plans=plans)
+                    plans=plans, counters_built=ledger.counters_built())
 
 
 def _max_tokens(cfg: FleetConfig, live: dict, dataset: str) -> int:
@@ -269,6 +265,11 @@ def render(snap: Snapshot) -> Group:
     for s in snap.spend:
         st.add_row(s.backend, _usd(s.spent_usd), _usd(s.cap_usd) if s.cap_usd is not None else "-")
     plan = Group(Text("plan: to finish each dataset (draftfleet plan)", style="italic"), render_plans(snap.plans))
+    if not snap.counters_built:
+        lost = Text("the counters are not the store's yet (Redis lost its data, or is new): the figures are partial, "
+                    "and budgeted datasets and capped backends wait until a worker, enqueue or the reconciler has "
+                    "rebuilt them from the store", style="bold red")
+        wt = Group(lost, wt)
     if not snap.capture:
         return Group(wt, dt, bt, st, plan)
     ct = _table("hidden-state capture", [("dataset", False), ("version", True), ("captured", True), ("of", True),
