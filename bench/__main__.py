@@ -15,11 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import admission, capture, enqueue, html_report, inventory, overhead, readers, report, retokenize, saturation, store, vllm
+from . import (admission, capture, enqueue, html_report, inventory, overhead, readers, redis_cost, report, retokenize,
+               saturation, store, vllm)
 from .env import REPO, Section, fresh_dir, machine
 
 NAMES = ("saturation", "vllm", "capture", "overhead", "inventory", "report", "retokenize", "enqueue", "admission",
-         "readers", "store")
+         "readers", "store", "redis")
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
@@ -28,6 +29,7 @@ FLAGS = {
                 "capture_alone_units", "capture_repeats", "capture_conversations", "capture_solo_units",
                 "capture_solo_blocks"),
     "overhead": ("overhead_tasks", "overhead_inflight"),
+    "redis": ("redis_tasks", "redis_workers", "redis_inflight"),
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
     "report": ("report_records", "repeats"),
     "retokenize": ("retok_answers", "retok_mean", "retok_batch", "repeats"),
@@ -84,6 +86,10 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("overhead")
     g.add_argument("--overhead-tasks", type=int, default=2000)
     g.add_argument("--overhead-inflight", type=_ints, default=[16, 128])
+    g = p.add_argument_group("redis", "commands and Redis CPU per stored result (INFO commandstats)")
+    g.add_argument("--redis-tasks", type=int, default=1000)
+    g.add_argument("--redis-workers", type=_ints, default=[1, 8], help="worker processes (comma-separated runs)")
+    g.add_argument("--redis-inflight", type=int, default=32, help="each worker's requests in flight")
     g = p.add_argument_group("inventory")
     g.add_argument("--inventory-b3", type=_size, default=(1746, 3288.0), help="RESPONSES:MEAN_TOKENS, the seed's B3")
     g.add_argument("--inventory-large", type=_size, default=(100_000, 300.0), help="RESPONSES:MEAN_TOKENS")
@@ -145,6 +151,8 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
                            solo_blocks=args.capture_solo_blocks)
     if name == "overhead":
         return overhead.run(folder, tasks=args.overhead_tasks, inflight=args.overhead_inflight)
+    if name == "redis":
+        return redis_cost.run(folder, tasks=args.redis_tasks, workers=args.redis_workers, inflight=args.redis_inflight)
     if name == "inventory":
         sizes = [("b3", *args.inventory_b3), ("large", *args.inventory_large)]
         return inventory.run(folder, sizes=sizes, repeats=args.repeats)

@@ -20,7 +20,7 @@ from celery.exceptions import Reject
 from draftfleet import redis_keys as rk
 from draftfleet.identity import prompt_key, settings_id
 from draftfleet.ledger import Ledger, micro_usd
-from draftfleet.reconcile import Reconciler
+from draftfleet.reconcile import Reconciler, ensure_counters
 from draftfleet.schemas.config import load_config
 from draftfleet.schemas.records import FailureRecord, Message, PromptTask
 from draftfleet.store import FileStore, open_store
@@ -254,6 +254,14 @@ def test_the_losing_twins_generation_is_counted_in_spend(fleet):
     assert micro_usd(ledger.spend_usd("cloudy")) == 2 * micro_usd(winner.cost_usd)
     assert ledger.dataset_totals("ds")["cost_micro_usd"] == micro_usd(winner.cost_usd)  # the store's figure
     assert fleet.emu.stats()["by_endpoint"]["/v1/chat/completions"] == 2
+    # the loser's payment is kept in the store (no record carries it), so a spend rebuilt after
+    # Redis lost everything still holds it; a second pass counts it once
+    (charge,) = fleet.store.charges()
+    assert (charge.backend, charge.reason, charge.key) == ("cloudy", "twin_stored", task.key)
+    fleet.r.flushall()
+    assert ensure_counters(fleet.store, fleet.r, wait=False) and ensure_counters(fleet.store, fleet.r, wait=False)
+    Reconciler(fleet.store, fleet.r).reconcile_all()
+    assert micro_usd(ledger.spend_usd("cloudy")) == 2 * micro_usd(winner.cost_usd)
 
 
 # -- failure records of finished prompts -----------------------------------------------------
