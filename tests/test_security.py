@@ -465,7 +465,7 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     import numpy as np
 
     from draftfleet.export import features
-    from draftfleet.hidden import DIGEST_KEY, HEADER_ROOM, HiddenStore, _header, encode_safetensors, read_safetensors
+    from draftfleet.hidden import HEADER_ROOM, SEAL_KEY, HiddenStore, _header, encode_safetensors, read_safetensors
     from draftfleet.schemas.records import CaptureTask
     from draftfleet.workers import capture
 
@@ -488,7 +488,7 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     hidden = HiddenStore(rt.store)
     stored = hidden.path("ds", 1, task.key, 0)
     assert os.path.samestat(os.fstat(held["fd"]), os.stat(stored))  # one inode: the engine still holds it
-    assert len(read_safetensors(stored)[1][DIGEST_KEY]) == 64 and hidden.verify("ds", 1) == (1, 0, [])
+    assert len(read_safetensors(stored)[1][SEAL_KEY]) == 64 and hidden.verify("ds", 1) == (1, 0, [])
     env, config = {"REDIS_URL": redis_server.url, "COLUMNS": "1000"}, str(rt.cfg.path)
     res = run_cli("inventory", "--config", config, "--verify", "--roundtrip-sample", "0", env=env)
     assert res.returncode == 0 and "verified: 1 files" in res.stdout, res
@@ -500,7 +500,7 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     res = run_cli("inventory", "--config", config, "--verify", "--roundtrip-sample", "0", env=env)
     assert res.returncode == 1, res
     [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
-    assert str(stored) in line and "its tensors changed after they were stored" in line, line
+    assert str(stored) in line and "changed after it was stored" in line, line
     assert "1 changed or unreadable" in res.stdout
 
     model = tmp_path / "model"  # SpecForge's export reads the final norm from it
@@ -513,7 +513,7 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     got = features.export_features(rt.store, "ds", tmp_path / "out", ["speculators", "specforge"],
                                    model_path=str(model))
     assert got.rows == 1 and len(got.bad_files) == 1 and str(stored) in got.bad_files[0]
-    assert "its tensors changed after they were stored" in got.bad_files[0]
+    assert "changed after it was stored" in got.bad_files[0]
     assert [p.name for p in (tmp_path / "out" / "ds.speculators" / "hidden_states").iterdir()] == ["hs_0.safetensors"]
     assert os.path.samefile(tmp_path / "out" / "ds.speculators" / "hidden_states" / "hs_0.safetensors",
                             hidden.path("ds", 1, other.key, 0))
