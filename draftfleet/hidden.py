@@ -27,8 +27,9 @@ answers' ``spans`` (``[[start, end], ..]`` in the ids: one per turn, the trainer
 ``prompt_len`` (the first span's start).
 
 Files are written once, by the engine's connector, on the store's file system: the worker writes
-the unit's metadata into the room the connector leaves in the header (in place, same length),
-fsyncs, and ``link``s the file to its name (fails if the target exists), so of two workers
+the unit's metadata into the room the connector leaves in the header (in place, same length), with
+the seal over that header and the data it checked (:func:`file_seal`: a file of a version made with
+seals that lacks a good one is changed, and bad to every reader), fsyncs, and ``link``s the file to its name (fails if the target exists), so of two workers
 capturing the same unit exactly one file is stored, and the states cross the disk once. A version holds one capture
 setting (model identity, layer ids, dtype); other settings need a new version (``--new-version``).
 

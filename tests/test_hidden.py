@@ -295,7 +295,7 @@ def _engine_file(path, t: int = 3, room: int = 1024) -> bytes:
 
 
 def test_the_unit_metadata_goes_into_the_header_room_in_place(tmp_path):
-    from draftfleet.hidden import rewrite_metadata
+    from draftfleet.hidden import SEAL_KEY, read_checked, rewrite_metadata
 
     path = tmp_path / "req.safetensors"
     before = _engine_file(path)
@@ -306,7 +306,9 @@ def test_the_unit_metadata_goes_into_the_header_room_in_place(tmp_path):
     (n,) = struct.unpack("<Q", before[:8])
     assert len(after) == len(before) and after[8 + n:] == before[8 + n:]  # the tensors' bytes untouched
     with safe_open(str(path), framework="numpy") as f:  # safetensors' own reader takes the padded header
-        assert f.metadata() == meta and f.get_tensor("token_ids").tolist() == [0, 1, 2]
+        assert f.metadata() == {**meta, SEAL_KEY: f.metadata()[SEAL_KEY]}
+        assert f.get_tensor("token_ids").tolist() == [0, 1, 2]
+    assert read_checked(path, True)[2]  # sealed: the header written and the data
     no_room = tmp_path / "plain.safetensors"
     plain = _engine_file(no_room, room=0)
     assert not rewrite_metadata(no_room, meta) and no_room.read_bytes() == plain
@@ -825,3 +827,43 @@ def test_an_export_takes_each_files_ids_from_the_bytes_it_checked_in_one_open(tm
         rows = reader.read_all().to_pylist()
     assert [r["input_ids"] for r in rows] == [[0, 1, 2, 3, 4]] * 2  # the ids checked, not the 7 written after
     assert sorted(opened.values()) == [1, 1]
+
+
+def test_a_version_made_before_seals_counts_its_files_as_before_and_one_made_with_them_needs_them(tmp_path):
+    """Issue 29 (4): a version whose manifest has no ``seal`` (made before seals) keeps its count:
+    a file without a seal is not checked, one with the older digest of the data alone is checked
+    against it. In a version made with seals, both are bad. A header naming an entry twice is
+    refused (readers differ on which one counts)."""
+    import hashlib
+
+    from draftfleet.hidden import DIGEST_KEY, SEAL, _header
+    from draftfleet.schemas.records import CaptureManifest
+
+    tensors = {"token_ids": ("I64", np.arange(4, dtype=np.int64)),
+               "hidden_states": ("BF16", np.ones((4, 4, 8), np.uint16))}
+    bare = encode_safetensors(tensors, {"prompt_len": "1"})
+    at = 8 + struct.unpack("<Q", bare[:8])[0]
+    old = encode_safetensors(tensors, {"prompt_len": "1", DIGEST_KEY: hashlib.sha256(bare[at:]).hexdigest()})
+    files = {"aa" * 32: bare, "bb" * 32: old, "cc" * 32: encode_safetensors(tensors, {"prompt_len": "1"}, seal=True)}
+    store = open_store(tmp_path / "store")
+    store.prepare()
+    hidden = HiddenStore(store)
+    for version, seal in ((1, 0), (2, SEAL)):
+        hidden.write_manifest(CaptureManifest(dataset="ds", version=version, model="m", model_config_sha256="0" * 64,
+                                              num_layers=8, hidden_size=8, layer_ids=[2, 4, 5, 8], created_at=0.0,
+                                              seal=seal))
+        for key, data in files.items():
+            hidden.put("ds", version, key, 0, data)
+    assert hidden.verify("ds", 1) == (2, 1, [])
+    good, unsealed, bad = hidden.verify("ds", 2)
+    assert (good, unsealed, len(bad)) == (1, 0, 2) and all("changed after it was stored" in b for b in bad)
+    assert "aa" * 32 in bad[0] and "no seal_sha256" in bad[0] and "bb" * 32 in bad[1]
+    twice = tmp_path / "twice.safetensors"
+    raw = files["cc" * 32]
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = raw[8:8 + n].rstrip()
+    entry = json.dumps({"dtype": "I64", "shape": [4], "data_offsets": [64, 96]}, separators=(",", ":")).encode()
+    dup = head[:1] + b'"token_ids":' + entry + b"," + head[1:]
+    twice.write_bytes(struct.pack("<Q", len(dup)) + dup + raw[8 + n:])
+    with pytest.raises(ValueError, match="given twice"):
+        _header(twice)

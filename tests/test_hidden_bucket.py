@@ -134,7 +134,8 @@ def test_the_bucket_reads_like_the_folder(s3_env, tmp_path):
     data[-1] ^= 1
     bucket.bucket.put(key, bytes(data))
     good, unsealed, bad = bucket.verify("ds", 1)
-    assert (good, unsealed) == (2, 0) and len(bad) == 1 and f"s3://{store.bucket_name}/{key}: changed after it was stored" in bad[0]
+    assert (good, unsealed) == (2, 0) and len(bad) == 1
+    assert f"s3://{store.bucket_name}/{key}: changed after it was stored" in bad[0]
 
 
 def test_a_version_is_downloaded_once_and_resumes(s3_env, tmp_path):
