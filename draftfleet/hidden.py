@@ -29,9 +29,10 @@ answers' ``spans`` (``[[start, end], ..]`` in the ids: one per turn, the trainer
 Files are written once, by the engine's connector, on the store's file system: the worker writes
 the unit's metadata into the room the connector leaves in the header (in place, same length), with
 the seal over that header and the data it checked (:func:`file_seal`: a file of a version made with
-seals that lacks a good one is changed, and bad to every reader), fsyncs, and ``link``s the file to its name (fails if the target exists), so of two workers
-capturing the same unit exactly one file is stored, and the states cross the disk once. A version holds one capture
-setting (model identity, layer ids, dtype); other settings need a new version (``--new-version``).
+seals that lacks a good one is changed, and bad to every reader), fsyncs, and ``link``s the file
+to its name (fails if the target exists), so of two workers capturing the same unit exactly one
+file is stored, and the states cross the disk once. A version holds one capture setting (model
+identity, layer ids, dtype); other settings need a new version (``--new-version``).
 
 safetensors is written and read here with numpy: numpy has no bfloat16, so bf16 tensors travel
 as their uint16 bit patterns (the file format is the same: 8-byte header length, JSON header,
@@ -387,7 +388,8 @@ def read_safetensors(path: str | Path, names: tuple[str, ...] | None = None, *, 
                      ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
     """``{name: (dtype, array)}`` (only ``names`` when given) and the metadata; BF16 and F8_E4M3
     arrays come as their bit patterns (uint16, uint8). ``fh``: read from this open file (``path``
-    then only names it in errors). A malformed file raises ``ValueError`` (``_header``)."""
+    then only names it in errors). A malformed file raises ``ValueError`` (``_header``). Nothing is
+    checked against a seal: a stored file's readers take :func:`read_checked`."""
     if fh is None:
         with open(path, "rb") as own:
             return read_safetensors(path, names, fh=own)
