@@ -616,6 +616,35 @@ def test_a_header_rewritten_by_the_engine_after_the_seal_is_bad_everywhere(tmp_p
     assert "1 file changed or unreadable" in text and str(stored) in text, text[-2000:]
 
 
+
+def test_the_worker_seals_the_header_it_checked_not_one_the_engine_wrote_since(tmp_path, tokenizer_dir, redis_server,
+                                                                              monkeypatch):
+    """Issue 29 (4b) before the seal: the engine points token_ids into the states' bytes between the
+    worker's check and its header rewrite. The worker writes the header it checked (with the unit's
+    metadata and the seal), never one read again, so the stored file holds the ids checked."""
+    from draftfleet.hidden import HEADER_ROOM, HiddenStore, read_checked
+    from draftfleet.workers import capture
+
+    from .capture_engine import CaptureEngine, contract, engine_file
+    from .test_hidden import _model_sha
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    engine.answer = lambda ids: (engine.fresh_path(), engine_file(ids, 4, 128, engine.contract, room=HEADER_ROOM))
+    rt, task, m, ids, spans = _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage)
+    checked = capture.check_states
+
+    def check_then_rewrite(ids, got, m):  # the engine changes the header right after the check
+        checked(ids, got, m)
+        _rewrite_header(got.file.fd, _ids_into_states)
+
+    monkeypatch.setattr(capture, "check_states", check_then_rewrite)
+    assert capture._capture(rt, task, m, ids, spans, "t") == "stored"
+    stored = HiddenStore(rt.store).path("ds", 1, task.key, 0)
+    tensors, _meta, sealed = read_checked(stored, True, ("token_ids",))
+    assert sealed and tensors["token_ids"][1].tolist() == ids
+
+
 # root without CAP_FOWNER: a file of another user cannot be chmod'ed, as for an ordinary worker
 WITHOUT_FOWNER = ("setpriv", "--inh-caps=-fowner", "--bounding-set=-fowner")
 
