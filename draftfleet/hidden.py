@@ -27,10 +27,12 @@ answers' ``spans`` (``[[start, end], ..]`` in the ids: one per turn, the trainer
 ``prompt_len`` (the first span's start).
 
 Files are written once, by the engine's connector, on the store's file system: the worker writes
-the unit's metadata into the room the connector leaves in the header (in place, same length),
-fsyncs, and ``link``s the file to its name (fails if the target exists), so of two workers
-capturing the same unit exactly one file is stored, and the states cross the disk once. A version holds one capture
-setting (model identity, layer ids, dtype); other settings need a new version (``--new-version``).
+the unit's metadata into the room the connector leaves in the header (in place, same length), with
+the seal over that header and the data it checked (:func:`file_seal`: a file of a version made with
+seals that lacks a good one is changed, and bad to every reader), fsyncs, and ``link``s the file
+to its name (fails if the target exists), so of two workers capturing the same unit exactly one
+file is stored, and the states cross the disk once. A version holds one capture setting (model
+identity, layer ids, dtype); other settings need a new version (``--new-version``).
 
 safetensors is written and read here with numpy: numpy has no bfloat16, so bf16 tensors travel
 as their uint16 bit patterns (the file format is the same: 8-byte header length, JSON header,
@@ -336,11 +338,20 @@ def header_length(path: str | Path, head: bytes, size: int) -> int:
     return n
 
 
+def _unique(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose every name is given once: of two entries of one name, readers differ on
+    which one counts (another reader's tensor would not be the one sealed and checked here)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError(f"{sorted(k for k in out if sum(p[0] == k for p in pairs) > 1)} given twice")
+    return out
+
+
 def parse_header(path: str | Path, raw: bytes, size: int) -> dict:
     """The JSON header ``raw`` of a file of ``size`` bytes, every entry checked (see ``_header``)."""
     n = len(raw)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"{path}: the header is not JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -377,7 +388,8 @@ def read_safetensors(path: str | Path, names: tuple[str, ...] | None = None, *, 
                      ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
     """``{name: (dtype, array)}`` (only ``names`` when given) and the metadata; BF16 and F8_E4M3
     arrays come as their bit patterns (uint16, uint8). ``fh``: read from this open file (``path``
-    then only names it in errors). A malformed file raises ``ValueError`` (``_header``)."""
+    then only names it in errors). A malformed file raises ``ValueError`` (``_header``). Nothing is
+    checked against a seal: a stored file's readers take :func:`read_checked`."""
     if fh is None:
         with open(path, "rb") as own:
             return read_safetensors(path, names, fh=own)
@@ -387,86 +399,167 @@ def read_safetensors(path: str | Path, names: tuple[str, ...] | None = None, *, 
             if names is None or name in names}, meta
 
 
-def read_sealed(path: str | Path, fh: BinaryIO) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str], str]:
-    """Every tensor (as :func:`read_safetensors`), the metadata, and the digest of exactly the bytes
-    the tensors were taken from (:data:`DIGEST_KEY`): the data section, read once."""
-    header, offset = _header(path, fh)
-    meta = header.pop("__metadata__", None) or {}
-    size = os.fstat(fh.fileno()).st_size
-    fh.seek(offset)
-    data = fh.read(size - offset)
-    if len(data) != size - offset:
-        raise ValueError(f"{path}: {len(data)} data bytes read of {size - offset} (the file shrank)")
-    tensors = {name: (info["dtype"], np.frombuffer(data, dtype=_DTYPES[info["dtype"]],
-                                                   count=math.prod(info["shape"]),
-                                                   offset=info["data_offsets"][0]).reshape(info["shape"]))
-               for name, info in header.items()}
-    return tensors, meta, hashlib.sha256(data).hexdigest()
+class Read(NamedTuple):
+    """One pass over a safetensors file: its checked header (``__metadata__`` included), where its
+    data starts, the tensors asked for (taken from the very bytes hashed), and the sha256 of its
+    data section with that section's length."""
+
+    header: dict
+    offset: int
+    tensors: dict[str, tuple[str, np.ndarray]]
+    data: hashlib._Hash
+    data_len: int
+
+    @property
+    def meta(self) -> dict[str, str]:
+        return self.header.get("__metadata__") or {}
 
 
-# The stored file's seal: sha256 of its data section (every tensor's bytes, everything after the header),
-# written into its metadata by the capture worker from the bytes it checked (README, "Hidden states").
+_CHUNK = 8 << 20  # what a streamed read holds at once
+
+
+def read_through(path: str | Path, fh: BinaryIO, size: int | None = None, names: tuple[str, ...] | None = None) -> Read:
+    """Read a file once from its start (or a stream of ``size`` bytes, such as an object's body):
+    every tensor (``names`` None: the whole data section is held, the arrays are views of it), or
+    only those of ``names``, copied out of the pieces as they are hashed. A malformed file, or one
+    that shrank while read, raises ``ValueError`` naming it."""
+    if size is None:
+        size = os.fstat(fh.fileno()).st_size
+    header, offset = _header(path, fh, size)
+    data_len = size - offset
+    entries = {n: i for n, i in header.items() if n != "__metadata__" and (names is None or n in names)}
+    h = hashlib.sha256()
+    if names is None:
+        data = fh.read(data_len)
+        if len(data) != data_len:
+            raise ValueError(f"{path}: {len(data)} data bytes read of {data_len} (the file shrank)")
+        h.update(data)
+        return Read(header, offset, {n: (i["dtype"], np.frombuffer(data, dtype=_DTYPES[i["dtype"]],
+                                                                   count=math.prod(i["shape"]),
+                                                                   offset=i["data_offsets"][0]).reshape(i["shape"]))
+                                     for n, i in entries.items()}, h, data_len)
+    parts = {n: bytearray(i["data_offsets"][1] - i["data_offsets"][0]) for n, i in entries.items()}
+    pos = 0
+    while pos < data_len:
+        chunk = fh.read(min(_CHUNK, data_len - pos))
+        if not chunk:
+            raise ValueError(f"{path}: {pos} data bytes read of {data_len} (the file shrank)")
+        h.update(chunk)
+        for n, i in entries.items():
+            a, b = i["data_offsets"]
+            lo, hi = max(a, pos), min(b, pos + len(chunk))
+            if lo < hi:
+                parts[n][lo - a:hi - a] = chunk[lo - pos:hi - pos]
+        pos += len(chunk)
+    return Read(header, offset, {n: (i["dtype"], np.frombuffer(parts[n], dtype=_DTYPES[i["dtype"]]).reshape(i["shape"]))
+                                 for n, i in entries.items()}, h, data_len)
+
+
+# The stored file's seal (README, "Hidden states"), written into its metadata by the capture worker
+# over the bytes it checked and the header it wrote: see ``file_seal``.
+SEAL_KEY = "seal_sha256"
+SEAL = 1  # the seal format of the versions made now (``CaptureManifest.seal``): their files must carry it
+# Versions made before the seal (``CaptureManifest.seal`` 0): the sha256 of the data section alone.
 DIGEST_KEY = "tensors_sha256"
 
 
-def verify_digest(path: str | Path, fh: BinaryIO | None = None, size: int | None = None) -> bool:
-    """Whether a stored file's tensors are still the ones sealed: True when its data hashes to its
-    :data:`DIGEST_KEY`, False when it has none (stored before files were sealed); ``ValueError``
-    naming the file when they differ or the file is malformed. Reads the file once, in pieces;
-    ``fh`` (and ``size``): from this stream instead, such as an object's body."""
-    if fh is None:
-        with open(path, "rb") as own:
-            return verify_digest(path, own)
-    header, _offset = _header(path, fh, size)
-    want = (header.get("__metadata__") or {}).get(DIGEST_KEY)
-    if want is None:
+def file_seal(header: dict, data: hashlib._Hash, data_len: int) -> str:
+    """The seal of a file: sha256 over its data section, then its header less the seal itself (as
+    canonical JSON: every tensor's dtype, shape and offsets, and the metadata, spans and all), then
+    the data's length. Whatever gives the bytes their meaning is in it, so an engine that rewrites a
+    loss mask or points ``token_ids`` elsewhere breaks it as surely as one that writes into the
+    states. ``data``: the data section's sha256 (copied, not changed), so the worker seals with the
+    hash it checked the file through, never reading the states a second time."""
+    meta = {k: v for k, v in (header.get("__metadata__") or {}).items() if k != SEAL_KEY}
+    h = data.copy()
+    h.update(json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":")).encode())
+    h.update(struct.pack("<Q", data_len))
+    return h.hexdigest()
+
+
+def check_seal(path: str | Path, r: Read, required: bool) -> bool:
+    """Whether a stored file read through (``r``) is still the one sealed: True when its seal holds,
+    False when it carries none and none is ``required`` (a version made before seals: not checked);
+    ``ValueError`` naming the file when its seal is wrong, or missing where ``required`` (the
+    version's files all carry one when stored, so it was removed). A version made before seals
+    may hold files with the older digest of the data alone (:data:`DIGEST_KEY`), checked as such."""
+    meta = r.meta
+    again = "it is not the captured file; capture the unit again (remove the file, then draftfleet capture)"
+    want = meta.get(SEAL_KEY)
+    if want is not None:
+        got = file_seal(r.header, r.data, r.data_len)
+        if got != want:
+            raise ValueError(f"{path}: changed after it was stored ({SEAL_KEY} {want[:16]}.. sealed, {got[:16]}.. "
+                             f"now: its header or tensors are not the ones sealed): {again}")
+        return True
+    if required:
+        raise ValueError(f"{path}: changed after it was stored (no {SEAL_KEY}, and every file of its capture "
+                         f"version is sealed when stored: its seal was removed): {again}")
+    old = meta.get(DIGEST_KEY)
+    if old is None:
         return False
-    h = hashlib.sha256()
-    for chunk in iter(lambda: fh.read(1 << 20), b""):
-        h.update(chunk)
-    got = h.hexdigest()
-    if got != want:
-        raise ValueError(f"{path}: its tensors changed after they were stored ({DIGEST_KEY} {want[:16]}.. sealed, "
-                         f"{got[:16]}.. now): it is not the captured file; capture the unit again (remove the file, "
-                         "then draftfleet capture)")
+    if r.data.hexdigest() != old:
+        raise ValueError(f"{path}: changed after it was stored (its tensors: {DIGEST_KEY} {old[:16]}.. sealed, "
+                         f"{r.data.hexdigest()[:16]}.. now): {again}")
     return True
 
 
-def rewrite_metadata(file: int | str | Path, metadata: dict[str, str], path: str | Path | None = None) -> bytes | None:
-    """Put ``metadata`` in the file's header in place, in the room the connector left there (its
-    ``header_room`` entry), and fsync the file: the file's first bytes as written (length and
-    header: what an upload must send), None when it does not fit (nothing written). The header
-    keeps its length, so every tensor stays where it is. ``file``: an open read-write descriptor
-    (``path`` then only names it in errors), or a path, opened without following a link."""
+def read_checked(path: str | Path, required: bool, names: tuple[str, ...] = (), *, fh: BinaryIO | None = None,
+                 size: int | None = None) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str], bool]:
+    """A stored file's tensors of ``names``, its metadata, and whether it was sealed (``check_seal``),
+    all from one open and one read: the ids and spans given out are the bytes checked, never read
+    again where a write in between would go unseen. ``required``: the capture version's files must be
+    sealed (``CaptureManifest.seal``). ``fh`` (and ``size``): read this stream instead, such as an
+    object's body. ``ValueError`` naming the file when it is malformed or changed."""
+    if fh is None:
+        with open(path, "rb") as own:
+            return read_checked(path, required, names, fh=own)
+    r = read_through(path, fh, size, names)
+    return r.tensors, r.meta, check_seal(path, r, required)
+
+
+def rewrite_metadata(file: int | str | Path, metadata: dict[str, str], path: str | Path | None = None,
+                     checked: Read | None = None) -> bytes | None:
+    """Write the file's header again, in place, with ``metadata`` in the room the connector left
+    there (its ``header_room`` entry) and the seal (:func:`file_seal`) over that header and the data,
+    and fsync the file: the file's first bytes as written (length and header: what an upload must
+    send), None when it has no room or the metadata does not fit (nothing written). The header keeps
+    its length, so every tensor stays where it is. ``checked``: the file as the worker read and
+    checked it (``read_through``): that header and data digest are the ones sealed, never read again,
+    so a change an engine made since is written over (the header) or breaks the seal (the data);
+    without it the file is read through now. ``file``: an open read-write descriptor (``path`` then
+    only names it in errors), or a path, opened without following a link."""
     if not isinstance(file, int):
         fd = os.open(file, os.O_RDWR | os.O_NOFOLLOW)  # a link put in its place is refused
         try:
-            return rewrite_metadata(fd, metadata, file)
+            return rewrite_metadata(fd, metadata, file, checked)
         finally:
             os.close(fd)
-    head = os.pread(file, 8, 0)
-    (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-    if not 0 < n <= MAX_HEADER:
-        raise ValueError(f"{path}: not a safetensors file")
-    header = json.loads(os.pread(file, n, 8))
-    old = header.get("__metadata__") or {}
+    if checked is None:
+        with os.fdopen(os.dup(file), "rb") as fh:
+            fh.seek(0)
+            checked = read_through(path or "the file", fh, names=())
+    old = checked.meta
     if ROOM_KEY not in old:
         return None
-    header["__metadata__"] = {**{k: v for k, v in old.items() if k != ROOM_KEY}, **metadata}
+    kept = {k: v for k, v in old.items() if k not in (ROOM_KEY, SEAL_KEY, DIGEST_KEY)}
+    header = {**checked.header, "__metadata__": {**kept, **metadata}}
+    header["__metadata__"][SEAL_KEY] = file_seal(header, checked.data, checked.data_len)
     new = json.dumps(header, separators=(",", ":")).encode()
+    n = checked.offset - 8
     if len(new) > n:
         return None
-    written = new + b" " * (n - len(new))
-    if os.pwrite(file, written, 8) != n:
+    head = struct.pack("<Q", n) + new + b" " * (n - len(new))
+    if os.pwrite(file, head, 0) != len(head):
         raise OSError(f"{path}: short write of its header")
     os.fsync(file)
-    return head + written
+    return head
 
 
 def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str], *,
                        seal: bool = False) -> bytes:
     """The bytes of a safetensors file; each tensor given as (dtype name, contiguous array).
-    ``seal``: with the data's digest in the metadata (:data:`DIGEST_KEY`), as a stored file has it."""
+    ``seal``: with its seal in the metadata (:data:`SEAL_KEY`, :func:`file_seal`), as a stored file has it."""
     header: dict = {"__metadata__": dict(metadata)}
     chunks, pos = [], 0
     for name, (dtype, arr) in tensors.items():
@@ -476,7 +569,7 @@ def encode_safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dic
         pos += len(data)
     body = b"".join(chunks)
     if seal:
-        header["__metadata__"][DIGEST_KEY] = hashlib.sha256(body).hexdigest()
+        header["__metadata__"][SEAL_KEY] = file_seal(header, hashlib.sha256(body), len(body))
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     return struct.pack("<Q", len(head)) + head + body
@@ -520,6 +613,12 @@ class Hidden:
             version = versions[-1]
         data = self._manifest_bytes(dataset, version)
         return _manifest_decoder.decode(data) if data is not None else None
+
+    def sealed(self, dataset: str, version: int) -> bool:
+        """Whether every file of the version must carry a seal: it was made since files were sealed
+        (its manifest's ``seal``); a missing or wrong seal is then a changed file, never "unsealed"."""
+        m = self.manifest(dataset, version)
+        return m is not None and m.seal > 0
 
     def usage(self, dataset: str, version: int) -> tuple[int, int, int]:
         """(files, tokens, bytes) of a version: sizes from the listing, tokens from each header."""
@@ -607,13 +706,14 @@ class HiddenStore(Hidden):
                         yield m.group(1), CONVERSATION if turn == "conversation" else int(turn), e.path
 
     def verify(self, dataset: str, version: int) -> tuple[int, int, list[str]]:
-        """Every stored file of a version read against its digest: (files whose tensors are the ones
-        sealed, files without a digest (stored before files were sealed), why each other one is bad)."""
+        """Every stored file of a version read through its seal (``check_seal``): (files that are the
+        ones sealed, files of a version made before seals that carry none, why each other one is bad)."""
+        required = self.sealed(dataset, version)
         good = unsealed = 0
         bad: list[str] = []
         for _key, _turn, path in sorted(self.files(dataset, version), key=lambda f: f[2]):
             try:
-                if verify_digest(path):
+                if read_checked(path, required)[2]:
                     good += 1
                 else:
                     unsealed += 1

@@ -7,7 +7,7 @@ A unit's file is uploaded once from the capture worker's checked descriptor with
 ``If-None-Match: *`` (``Bucket.put_file``: one ``PutObject``, or parts completed under that
 condition): 412, another worker stored the unit, is a lost ``link``; 409, a write of the key under
 way, is tried again. Sizes come from the listing, token counts from each header alone (one ranged
-GET), and ``verify`` streams every object through its digest. Trainers read local files only, so
+GET), and ``verify`` streams every object through its seal (``hidden.check_seal``). Trainers read local files only, so
 an export first copies a version's files into a local cache (``download``) laid out as a folder
 store's ``_hidden``, and reads them there.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 
 from draftfleet.hidden import (_FILE_RE, CONVERSATION, HIDDEN_DIR, MANIFEST, Hidden, HiddenStore, StoredFile,
-                               header_length, held_turns, parse_header, verify_digest)
+                               header_length, held_turns, parse_header, read_checked)
 from draftfleet.objectstore import READ_THREADS, ObjectStore
 from draftfleet.s3 import S3Error
 from draftfleet.schemas.records import CaptureManifest, turn_name
@@ -79,9 +79,10 @@ class BucketHidden(Hidden):
                head: bytes | None = None, part_size: int | None = None) -> bool:
         """Upload the file open on ``fd`` as the unit's, once: True if this call stored it, False
         if another writer had (412: a lost ``link``). ``digest``: the sha256 of the data section the
-        worker checked; ``head``: the file's first bytes (length and header) as the worker wrote them
-        (default: as they are now). Bytes sent that differ from ``head`` or no longer hash to
-        ``digest`` (an engine still writing into the file) are not stored (``OSError``)."""
+        worker checked; ``head``: the file's first bytes (length and header, its seal over both
+        included) as the worker wrote them (default: as they are now). Bytes sent that differ from
+        ``head`` or no longer hash to ``digest`` (an engine still writing into the file) are not
+        stored (``OSError``): what is stored is the sealed file, byte for byte."""
         name = self.object_key(dataset, version, key, turn)
         sealed = None
         if digest is not None:
@@ -136,7 +137,7 @@ class BucketHidden(Hidden):
         with ThreadPoolExecutor(READ_THREADS) as pool:
             yield from (e for e in pool.map(self._entry, self._listing(dataset, version)) if e is not None)
 
-    def _verify(self, item: tuple[str, int, str, int, float]) -> bool | str | None:
+    def _verify(self, item: tuple[str, int, str, int, float], required: bool) -> bool | str | None:
         where = f"s3://{self.store.bucket_name}/{item[2]}"
         try:
             got = self.bucket.open(item[2])
@@ -144,7 +145,7 @@ class BucketHidden(Hidden):
                 return None  # removed meanwhile
             body, size = got
             try:
-                return verify_digest(where, body, size)
+                return read_checked(where, required, fh=body, size=size)[2]
             finally:
                 body.close()
         except (S3Error, OSError) as exc:
@@ -153,13 +154,15 @@ class BucketHidden(Hidden):
             return str(exc)
 
     def verify(self, dataset: str, version: int) -> tuple[int, int, list[str]]:
-        """Every stored file of a version downloaded through its digest: (files whose tensors are the
-        ones sealed, files without a digest, why each other one is bad)."""
+        """Every stored file of a version downloaded through its seal, as the folder store's
+        ``verify``: (files that are the ones sealed, files of a version made before seals that carry
+        none, why each other one is bad)."""
+        required = self.sealed(dataset, version)
         good = unsealed = 0
         bad: list[str] = []
         items = sorted(self._listing(dataset, version), key=lambda f: f[2])
         with ThreadPoolExecutor(READ_THREADS) as pool:
-            for got in pool.map(self._verify, items):
+            for got in pool.map(lambda item: self._verify(item, required), items):
                 if got is True:
                     good += 1
                 elif got is False:
@@ -185,7 +188,7 @@ class BucketHidden(Hidden):
         man.write_bytes(msgspec.json.format(msgspec.json.encode(m)))
         todo = [(name, local.path(dataset, version, key, turn), size)
                 for key, turn, name, size, _mtime in self._listing(dataset, version) if keys is None or key in keys]
-        todo = [t for t in todo if not _complete(t[1], t[2])]
+        todo = [t for t in todo if not _complete(t[1], t[2], m.seal > 0)]
         total, done = sum(t[2] for t in todo), 0
         if progress:
             progress(0, total)
@@ -216,12 +219,12 @@ class BucketHidden(Hidden):
         return n
 
 
-def _complete(path: Path, size: int) -> bool:
-    """Whether the local copy is whole: the listed size, and its tensors the ones sealed."""
+def _complete(path: Path, size: int, required: bool) -> bool:
+    """Whether the local copy is whole: the listed size, and the file the one sealed."""
     try:
         if os.path.getsize(path) != size:
             return False
-        verify_digest(path)
+        read_checked(path, required)
         return True
     except (OSError, ValueError):
         return False

@@ -26,7 +26,7 @@ from celery import Celery
 
 from draftfleet import redis_keys as rk
 from draftfleet.conversation import record_turns
-from draftfleet.hidden import (CONVERSATION, DTYPES, CaptureError, Hidden, bytes_per_token, capture_settings,
+from draftfleet.hidden import (CONVERSATION, DTYPES, SEAL, CaptureError, Hidden, bytes_per_token, capture_settings,
                                check_storage, conversation_spans, measured_bytes_per_token, open_hidden,
                                projected_bytes, storage_path)
 from draftfleet.producer.sender import PUBLISH_BATCH, TaskSender
@@ -101,7 +101,7 @@ def queue_capture(cfg: FleetConfig, store: Store, app: Celery, r: redis.Redis, d
     wanted = CaptureManifest(dataset=dataset, version=0, model=cfg.fleet.model, model_config_sha256=model.config_sha256,
                              num_layers=model.num_layers, hidden_size=model.hidden_size, layer_ids=layer_ids,
                              dtype=DTYPES[cfg.capture.dtype], created_at=time.time(),
-                             units="conversation" if cfg.capture.conversations else "turn")
+                             units="conversation" if cfg.capture.conversations else "turn", seal=SEAL)
     existing = existing_version(hidden, wanted, new_version)
     kind = (existing or wanted).units
     pending: list[tuple[CaptureTask, int]] = []

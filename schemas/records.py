@@ -302,6 +302,9 @@ class CaptureManifest(msgspec.Struct, frozen=True, kw_only=True):
     # "conversation": a conversation whose turns' ids prefix each other is one file; "turn": a file
     # per turn (versions made before, or [capture] conversations = false)
     units: Literal["turn", "conversation"] = "turn"
+    # The seal every file of the version carries (hidden.SEAL: sha256 over its header and data); a
+    # file without a good one is bad. 0: a version made before seals, whose files may carry none.
+    seal: int = 0
 
 
 class EngineContract(msgspec.Struct, frozen=True, kw_only=True):

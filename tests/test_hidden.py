@@ -295,7 +295,7 @@ def _engine_file(path, t: int = 3, room: int = 1024) -> bytes:
 
 
 def test_the_unit_metadata_goes_into_the_header_room_in_place(tmp_path):
-    from draftfleet.hidden import rewrite_metadata
+    from draftfleet.hidden import SEAL_KEY, read_checked, rewrite_metadata
 
     path = tmp_path / "req.safetensors"
     before = _engine_file(path)
@@ -306,7 +306,9 @@ def test_the_unit_metadata_goes_into_the_header_room_in_place(tmp_path):
     (n,) = struct.unpack("<Q", before[:8])
     assert len(after) == len(before) and after[8 + n:] == before[8 + n:]  # the tensors' bytes untouched
     with safe_open(str(path), framework="numpy") as f:  # safetensors' own reader takes the padded header
-        assert f.metadata() == meta and f.get_tensor("token_ids").tolist() == [0, 1, 2]
+        assert f.metadata() == {**meta, SEAL_KEY: f.metadata()[SEAL_KEY]}
+        assert f.get_tensor("token_ids").tolist() == [0, 1, 2]
+    assert read_checked(path, True)[2]  # sealed: the header written and the data
     no_room = tmp_path / "plain.safetensors"
     plain = _engine_file(no_room, room=0)
     assert not rewrite_metadata(no_room, meta) and no_room.read_bytes() == plain
@@ -486,9 +488,10 @@ PROMPT_LEN = 15  # _record's messages rendered by the sample tokenizer's templat
 
 
 def _capture_fleet(tmp_path, tokenizer_dir, engine_url: str, storage, outputs: list[list[int]], max_attempts: int = 2,
-                   vocab_size: int = 0):
-    """A store of records with these output ids, a config whose vLLM is ``engine_url``; (config path, cfg, store)."""
-    config = write_config(tmp_path, tokenizer=tokenizer_dir, max_attempts=max_attempts,
+                   vocab_size: int = 0, store: str | None = None):
+    """A store of records with these output ids (``store``: its location, default a folder), a config
+    whose vLLM is ``engine_url``; (config path, cfg, store)."""
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, max_attempts=max_attempts, store=store,
                           datasets=[{"name": "ds", "path": str(tmp_path / "d.jsonl")}])
     model = _model(tmp_path / "model", vocab_size=vocab_size)
     with open(config, "a") as fh:
@@ -780,3 +783,87 @@ def test_every_hidden_state_export_states_its_layers_in_each_trainers_numbering(
     # SpecForge's default for a 61-layer target is [1, N//2-1, N-4] = [1, 29, 57], the same residual streams
     assert features.draft_config("specforge", got.layers) == {
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}, "target_hidden_size": 8}
+
+
+def test_an_export_takes_each_files_ids_from_the_bytes_it_checked_in_one_open(tmp_path, monkeypatch):
+    """Issue 29 (5): the export checked a file in one open and read its ids in another, so a write
+    between the two was exported unseen. Here every open after a file's first finds its ids changed:
+    the export still gives the ids checked, from one open of each file."""
+    from draftfleet import hidden as hidden_module
+    from draftfleet.export import features
+    from draftfleet.schemas.records import CaptureManifest
+
+    store = open_store(tmp_path / "store")
+    store.prepare()
+    hidden = HiddenStore(store)
+    hidden.write_manifest(CaptureManifest(dataset="ds", version=1, model="m", model_config_sha256="0" * 64,
+                                          num_layers=8, hidden_size=8, layer_ids=[2, 4, 5, 8], created_at=0.0))
+    keys = ["ab" * 32, "cd" * 32]
+    for key in keys:
+        store.put(_record(key, output_ids=[1, 2]))
+        hidden.put("ds", 1, key, 0, encode_safetensors({"token_ids": ("I64", np.arange(5, dtype=np.int64)),
+                                                        "hidden_states": ("BF16", np.zeros((5, 4, 8), np.uint16))},
+                                                       {"prompt_len": "3"}, seal=True))
+    opened: dict[str, int] = {}
+    real_open = open
+
+    def engine_between_opens(file, *args, **kwargs):  # the engine writes an id between two opens of a file
+        name = os.fspath(file)
+        if isinstance(name, str) and name.endswith(".safetensors"):
+            opened[name] = opened.get(name, 0) + 1
+            if opened[name] > 1:
+                os.chmod(name, 0o644)
+                with real_open(name, "r+b") as fh:
+                    (n,) = struct.unpack("<Q", fh.read(8))
+                    fh.seek(8 + n + json.loads(fh.read(n))["token_ids"]["data_offsets"][0])
+                    fh.write(np.int64(7).tobytes())
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(hidden_module, "open", engine_between_opens, raising=False)
+    monkeypatch.setattr(features, "_run_torch", lambda plan, python: None)  # torch: tests/engines
+    got = features.export_features(store, "ds", tmp_path / "out", ["speculators"], model_path=None)
+    assert (got.rows, got.bad_files) == (2, [])
+    with pa.ipc.open_stream(str(tmp_path / "out" / "ds.speculators" / "data-00000-of-00001.arrow")) as reader:
+        rows = reader.read_all().to_pylist()
+    assert [r["input_ids"] for r in rows] == [[0, 1, 2, 3, 4]] * 2  # the ids checked, not the 7 written after
+    assert sorted(opened.values()) == [1, 1]
+
+
+def test_a_version_made_before_seals_counts_its_files_as_before_and_one_made_with_them_needs_them(tmp_path):
+    """Issue 29 (4): a version whose manifest has no ``seal`` (made before seals) keeps its count:
+    a file without a seal is not checked, one with the older digest of the data alone is checked
+    against it. In a version made with seals, both are bad. A header naming an entry twice is
+    refused (readers differ on which one counts)."""
+    import hashlib
+
+    from draftfleet.hidden import DIGEST_KEY, SEAL, _header
+    from draftfleet.schemas.records import CaptureManifest
+
+    tensors = {"token_ids": ("I64", np.arange(4, dtype=np.int64)),
+               "hidden_states": ("BF16", np.ones((4, 4, 8), np.uint16))}
+    bare = encode_safetensors(tensors, {"prompt_len": "1"})
+    at = 8 + struct.unpack("<Q", bare[:8])[0]
+    old = encode_safetensors(tensors, {"prompt_len": "1", DIGEST_KEY: hashlib.sha256(bare[at:]).hexdigest()})
+    files = {"aa" * 32: bare, "bb" * 32: old, "cc" * 32: encode_safetensors(tensors, {"prompt_len": "1"}, seal=True)}
+    store = open_store(tmp_path / "store")
+    store.prepare()
+    hidden = HiddenStore(store)
+    for version, seal in ((1, 0), (2, SEAL)):
+        hidden.write_manifest(CaptureManifest(dataset="ds", version=version, model="m", model_config_sha256="0" * 64,
+                                              num_layers=8, hidden_size=8, layer_ids=[2, 4, 5, 8], created_at=0.0,
+                                              seal=seal))
+        for key, data in files.items():
+            hidden.put("ds", version, key, 0, data)
+    assert hidden.verify("ds", 1) == (2, 1, [])
+    good, unsealed, bad = hidden.verify("ds", 2)
+    assert (good, unsealed, len(bad)) == (1, 0, 2) and all("changed after it was stored" in b for b in bad)
+    assert "aa" * 32 in bad[0] and "no seal_sha256" in bad[0] and "bb" * 32 in bad[1]
+    twice = tmp_path / "twice.safetensors"
+    raw = files["cc" * 32]
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = raw[8:8 + n].rstrip()
+    entry = json.dumps({"dtype": "I64", "shape": [4], "data_offsets": [64, 96]}, separators=(",", ":")).encode()
+    dup = head[:1] + b'"token_ids":' + entry + b"," + head[1:]
+    twice.write_bytes(struct.pack("<Q", len(dup)) + dup + raw[8 + n:])
+    with pytest.raises(ValueError, match="given twice"):
+        _header(twice)

@@ -134,7 +134,8 @@ def test_the_bucket_reads_like_the_folder(s3_env, tmp_path):
     data[-1] ^= 1
     bucket.bucket.put(key, bytes(data))
     good, unsealed, bad = bucket.verify("ds", 1)
-    assert (good, unsealed) == (2, 0) and len(bad) == 1 and f"s3://{store.bucket_name}/{key}: its tensors changed" in bad[0]
+    assert (good, unsealed) == (2, 0) and len(bad) == 1
+    assert f"s3://{store.bucket_name}/{key}: changed after it was stored" in bad[0]
 
 
 def test_a_version_is_downloaded_once_and_resumes(s3_env, tmp_path):
@@ -333,3 +334,43 @@ def test_an_export_from_the_bucket_equals_one_from_a_folder_and_a_rerun_download
     again = features.export_features(bucket_store, "ds", tmp_path / "bucket", ["speculators"], model_path=None,
                                       fetching=lambda n, total: fetched.append((n, total)))
     assert fetched == [(0, 0)] and again.rows == 4
+
+
+def test_a_unit_whose_engine_keeps_rewriting_its_file_fails_once_with_the_reason(
+        tmp_path, tokenizer_dir, s3_env, redis_server, monkeypatch, caplog):
+    """Issue 29 (8): the engine writes into its file after each check, so the upload refuses it
+    (``OSError``). That went back to the queue every 5 s for ever; it is the unit's failure: asked
+    again up to ``max_attempts``, then failed once, counted, with the reason, as other capture
+    failures are; nothing stored."""
+    import logging
+
+    from draftfleet import redis_keys as rk
+    from draftfleet.hidden import HEADER_ROOM
+    from draftfleet.workers import capture
+
+    from tests.capture_engine import CaptureEngine, contract, engine_file
+    from tests.test_hidden import _model_sha
+    from tests.test_security import _unit_runtime
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    engine.answer = lambda ids: (engine.fresh_path(), engine_file(ids, 4, 128, engine.contract, room=HEADER_ROOM))
+    rt, task, m, ids, spans = _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, max_attempts=3,
+                                            store=f"s3://{s3_env.bucket()}/fleet")
+    checked = capture.check_states
+
+    def check_then_rewrite(ids, got, m):  # the engine writes into its file after each check
+        checked(ids, got, m)
+        at = os.fstat(got.file.fd).st_size - 1
+        os.pwrite(got.file.fd, bytes([os.pread(got.file.fd, 1, at)[0] ^ 1]), at)
+
+    monkeypatch.setattr(capture, "check_states", check_then_rewrite)
+    monkeypatch.setattr(capture, "backoff_s", lambda attempt, retry_after=None: 0.0)
+    with caplog.at_level(logging.WARNING, logger="draftfleet.capture"):
+        assert capture._capture(rt, task, m, ids, spans, "t") == "failed"
+    assert len(engine.requests) == 3  # each attempt a new capture, then the unit's failure
+    assert int(rt.r.hget(rk.capture_progress("ds"), "failed")) == 1
+    [failed] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "failed" in failed and "changed after it was checked" in failed, failed
+    assert not rt.hidden.has("ds", 1, task.key, 0)
+    assert not list(storage.iterdir()), "the engine's files are left on local disk"

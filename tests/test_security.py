@@ -345,11 +345,13 @@ def test_an_engines_answer_cannot_name_a_file_outside_the_capture_storage(tmp_pa
     assert int(r.hget(rk.capture_progress("ds"), "failed") or 0) == 0
 
 
-def _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, max_attempts: int = 2, vocab_size: int = 0):
+def _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, max_attempts: int = 2, vocab_size: int = 0,
+                  store: str | None = None):
     """A capture worker's runtime in this process (its real client, store and Redis) and the one
-    unit of a store with one record: (runtime, task, manifest, ids, spans), to drive ``_capture``
-    step by step against a hostile engine; the config's path is ``rt.cfg.path``."""
-    from draftfleet.hidden import HiddenStore
+    unit of a store with one record (``store``: its location, default a folder): (runtime, task,
+    manifest, ids, spans), to drive ``_capture`` step by step against a hostile engine; the
+    config's path is ``rt.cfg.path``."""
+    from draftfleet.hidden import open_hidden
     from draftfleet.producer.capture import queue_capture
     from draftfleet.schemas.records import CaptureTask
     from draftfleet.tokenizer import TargetTokenizer
@@ -359,10 +361,10 @@ def _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, max_at
     from .test_hidden import _capture_fleet
 
     config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]],
-                                        max_attempts=max_attempts, vocab_size=vocab_size)
+                                        max_attempts=max_attempts, vocab_size=vocab_size, store=store)
     r = redis_server.client()
     assert queue_capture(cfg, store, make_app(redis_server.url, 3600), r, "ds").queued == 1
-    m = HiddenStore(store).manifest("ds", 1)
+    m = open_hidden(store).manifest("ds", 1)
     tok = TargetTokenizer.from_config(cfg.fleet)
     client = CaptureClient(engine.url, cfg.vllm, tok, inflight=1, storage=storage)
     rt = CaptureRuntime(cfg, store, r, client, tok, "test@here", m.layer_ids, m.model_config_sha256, m.dtype, storage)
@@ -463,7 +465,7 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     import numpy as np
 
     from draftfleet.export import features
-    from draftfleet.hidden import DIGEST_KEY, HEADER_ROOM, HiddenStore, _header, encode_safetensors, read_safetensors
+    from draftfleet.hidden import HEADER_ROOM, SEAL_KEY, HiddenStore, _header, encode_safetensors, read_safetensors
     from draftfleet.schemas.records import CaptureTask
     from draftfleet.workers import capture
 
@@ -486,7 +488,7 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     hidden = HiddenStore(rt.store)
     stored = hidden.path("ds", 1, task.key, 0)
     assert os.path.samestat(os.fstat(held["fd"]), os.stat(stored))  # one inode: the engine still holds it
-    assert len(read_safetensors(stored)[1][DIGEST_KEY]) == 64 and hidden.verify("ds", 1) == (1, 0, [])
+    assert len(read_safetensors(stored)[1][SEAL_KEY]) == 64 and hidden.verify("ds", 1) == (1, 0, [])
     env, config = {"REDIS_URL": redis_server.url, "COLUMNS": "1000"}, str(rt.cfg.path)
     res = run_cli("inventory", "--config", config, "--verify", "--roundtrip-sample", "0", env=env)
     assert res.returncode == 0 and "verified: 1 files" in res.stdout, res
@@ -498,7 +500,7 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     res = run_cli("inventory", "--config", config, "--verify", "--roundtrip-sample", "0", env=env)
     assert res.returncode == 1, res
     [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
-    assert str(stored) in line and "its tensors changed after they were stored" in line, line
+    assert str(stored) in line and "changed after it was stored" in line, line
     assert "1 changed or unreadable" in res.stdout
 
     model = tmp_path / "model"  # SpecForge's export reads the final norm from it
@@ -511,10 +513,136 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     got = features.export_features(rt.store, "ds", tmp_path / "out", ["speculators", "specforge"],
                                    model_path=str(model))
     assert got.rows == 1 and len(got.bad_files) == 1 and str(stored) in got.bad_files[0]
-    assert "its tensors changed after they were stored" in got.bad_files[0]
+    assert "changed after it was stored" in got.bad_files[0]
     assert [p.name for p in (tmp_path / "out" / "ds.speculators" / "hidden_states").iterdir()] == ["hs_0.safetensors"]
     assert os.path.samefile(tmp_path / "out" / "ds.speculators" / "hidden_states" / "hs_0.safetensors",
                             hidden.path("ds", 1, other.key, 0))
+
+
+
+def _rewrite_header(fd: int, change) -> None:
+    """Rewrite a stored file's header through the engine's descriptor, in place (same length, the
+    data untouched): ``change(header)`` edits the parsed header."""
+    import struct
+
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    header = json.loads(os.pread(fd, n, 8))
+    change(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= n
+    os.pwrite(fd, raw + b" " * (n - len(raw)), 8)
+
+
+def _whole_prompt(header: dict) -> None:  # 4a: the loss mask over every id, the prompt included
+    meta = header["__metadata__"]
+    meta["spans"], meta["prompt_len"] = json.dumps([[0, header["token_ids"]["shape"][0]]]), "0"
+
+
+def _ids_into_states(header: dict) -> None:  # 4b: token_ids read from the states' bytes
+    start, end = header["token_ids"]["data_offsets"]
+    at = header["hidden_states"]["data_offsets"][0]
+    header["token_ids"]["data_offsets"] = [at, at + end - start]
+
+
+def _seal_dropped(header: dict) -> None:  # 4c: whatever digest the worker sealed the file with, gone
+    meta = header["__metadata__"]
+    for k in [k for k in meta if k.endswith("sha256")]:
+        del meta[k]
+
+
+@pytest.mark.parametrize("change", [_whole_prompt, _ids_into_states, _seal_dropped])
+def test_a_header_rewritten_by_the_engine_after_the_seal_is_bad_everywhere(tmp_path, tokenizer_dir, redis_server,
+                                                                          monkeypatch, change):
+    """Issue 29 (4): an engine that keeps its descriptor rewrites a stored file's header in place:
+    (a) the spans (the loss mask) over the whole prompt, (b) token_ids' data_offsets into the states'
+    bytes, (c) the seal removed. The seal covers the header (less itself) with the data, and a file of
+    a version made with seals needs one: ``inventory --verify`` counts it bad (exit 1), the export
+    leaves it out and says so, ``report`` shows it."""
+    import re
+
+    import numpy as np
+
+    from draftfleet.export import features
+    from draftfleet.hidden import HEADER_ROOM, HiddenStore
+    from draftfleet.schemas.records import CaptureTask
+    from draftfleet.workers import capture
+
+    from .capture_engine import CaptureEngine, contract, engine_file
+    from .test_hidden import _model_sha, _put_record
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path, vocab_size=1000)))
+    held = {}
+
+    def answer(ids):  # the connector's file, and the engine keeps a descriptor of the first one open
+        path = engine.fresh_path()
+        Path(path).write_bytes(engine_file(ids, 4, 128, engine.contract, room=HEADER_ROOM))
+        held.setdefault("fd", os.open(path, os.O_RDWR))
+        return path, None
+
+    engine.answer = answer
+    rt, task, m, ids, spans = _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage, vocab_size=1000)
+    assert capture._capture(rt, task, m, ids, spans, "t") == "stored"
+    _put_record(rt.store, 1, [1, 2, 3, 5])
+    other = CaptureTask(dataset="ds", key="01" * 32, turn=0, version=1)
+    ids2, spans2 = capture._unit_ids(rt, other, rt.store.get("ds", other.key))
+    assert capture._capture(rt, other, m, ids2, spans2, "t") == "stored"  # a sound file beside the changed one
+    hidden = HiddenStore(rt.store)
+    stored = hidden.path("ds", 1, task.key, 0)
+    assert hidden.verify("ds", 1) == (2, 0, [])
+
+    _rewrite_header(held["fd"], change)  # after the seal, through the engine's descriptor
+    os.close(held["fd"])
+    env, config = {"REDIS_URL": redis_server.url, "COLUMNS": "1000"}, str(rt.cfg.path)
+    res = run_cli("inventory", "--config", config, "--verify", "--roundtrip-sample", "0", env=env)
+    assert res.returncode == 1, res
+    [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert str(stored) in line and "changed after it was stored" in line, line
+    assert "verified: 1 files" in res.stdout and "1 changed or unreadable" in res.stdout, res.stdout
+
+    model = tmp_path / "model"  # SpecForge's export reads the final norm from it
+    (model / "model.safetensors").write_bytes(
+        features.encode_safetensors({"model.norm.weight": ("F32", np.ones(128, "f4"))}, {}))
+    monkeypatch.setattr(features, "_run_torch", lambda plan, python: None)  # torch's files: tests/engines
+    got = features.export_features(rt.store, "ds", tmp_path / "out", ["speculators", "specforge"],
+                                   model_path=str(model))
+    assert got.rows == 1 and len(got.bad_files) == 1 and str(stored) in got.bad_files[0], got.bad_files
+    assert os.path.samefile(tmp_path / "out" / "ds.speculators" / "hidden_states" / "hs_0.safetensors",
+                            hidden.path("ds", 1, other.key, 0))
+
+    res = run_cli("report", "--config", config, "--out", str(tmp_path / "run.html"), env=env)
+    assert res.returncode == 0, res
+    text = re.sub(r"<[^>]+>", " ", (tmp_path / "run.html").read_text())
+    assert "1 file changed or unreadable" in text and str(stored) in text, text[-2000:]
+
+
+
+def test_the_worker_seals_the_header_it_checked_not_one_the_engine_wrote_since(tmp_path, tokenizer_dir, redis_server,
+                                                                              monkeypatch):
+    """Issue 29 (4b) before the seal: the engine points token_ids into the states' bytes between the
+    worker's check and its header rewrite. The worker writes the header it checked (with the unit's
+    metadata and the seal), never one read again, so the stored file holds the ids checked."""
+    from draftfleet.hidden import HEADER_ROOM, HiddenStore, read_checked
+    from draftfleet.workers import capture
+
+    from .capture_engine import CaptureEngine, contract, engine_file
+    from .test_hidden import _model_sha
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    engine.answer = lambda ids: (engine.fresh_path(), engine_file(ids, 4, 128, engine.contract, room=HEADER_ROOM))
+    rt, task, m, ids, spans = _unit_runtime(tmp_path, tokenizer_dir, redis_server, engine, storage)
+    checked = capture.check_states
+
+    def check_then_rewrite(ids, got, m):  # the engine changes the header right after the check
+        checked(ids, got, m)
+        _rewrite_header(got.file.fd, _ids_into_states)
+
+    monkeypatch.setattr(capture, "check_states", check_then_rewrite)
+    assert capture._capture(rt, task, m, ids, spans, "t") == "stored"
+    stored = HiddenStore(rt.store).path("ds", 1, task.key, 0)
+    tensors, _meta, sealed = read_checked(stored, True, ("token_ids",))
+    assert sealed and tensors["token_ids"][1].tolist() == ids
 
 
 # root without CAP_FOWNER: a file of another user cannot be chmod'ed, as for an ordinary worker

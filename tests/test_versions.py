@@ -101,7 +101,7 @@ def test_a_new_version_is_exported_captured_and_counted_alone(tmp_path, redis_se
         for turn, t in enumerate(record_turns(rec)):
             ids = np.arange(t.prompt_tokens + len(t.output_ids), dtype=np.int64)
             hidden.put("ds", 1, rec.key, turn, encode_safetensors({"token_ids": ("I64", ids)},
-                                                                  {"prompt_len": str(t.prompt_tokens)}))
+                                                                  {"prompt_len": str(t.prompt_tokens)}, seal=True))
     def chosen(flags) -> list:  # the records an export of these flags takes, in its order
         return sorted(filter(select(store, "ds", **dict(flags)).takes, store.records("ds")), key=features._order)
 

@@ -70,9 +70,9 @@ from celery.exceptions import Reject
 
 from draftfleet import redis_keys as rk
 from draftfleet.claims import Claims
-from draftfleet.hidden import (CONVERSATION, DIGEST_KEY, DTYPES, HEADER_ROOM, SCALES, CaptureError, Spans, TargetModel,
+from draftfleet.hidden import (CONVERSATION, DTYPES, HEADER_ROOM, SCALES, CaptureError, Read, Spans, TargetModel,
                                capture_settings, check_storage, conversation_spans, encode_safetensors, open_hidden,
-                               read_sealed, record_units, rewrite_metadata, storage_path)
+                               read_through, record_units, rewrite_metadata, storage_path)
 from draftfleet.schemas.config import FleetConfig, VLLMLaunch
 from draftfleet.schemas.records import (CaptureManifest, CaptureTask, EngineContract, ResponseRecord, WorkerReport,
                                        turn_name)
@@ -198,8 +198,8 @@ class EngineFile:
         st = os.fstat(fd)
         self.dir_fd, self.fd, self.name, self.path, self.identity = dir_fd, fd, name, path, (st.st_dev, st.st_ino)
 
-    def rewrite_metadata(self, meta: dict[str, str]) -> bytes | None:
-        return rewrite_metadata(self.fd, meta, self.path)
+    def rewrite_metadata(self, meta: dict[str, str], checked: Read) -> bytes | None:
+        return rewrite_metadata(self.fd, meta, self.path, checked)
 
     def link(self, final: Path) -> bool:
         """The checked file, read-only, at ``final`` in the store (write-once: False if taken)."""
@@ -232,7 +232,8 @@ class EngineFile:
 
 class Captured(NamedTuple):
     """One engine file: its ids, the states' dtype (the manifest's name) and bits, fp8's scales, the
-    connector's contract, the digest of the bytes read (``hidden.DIGEST_KEY``) and the file held."""
+    connector's contract, the file as read (its header and the digest of its data: what is sealed)
+    and the file held."""
 
     path: str  # as the engine named it (messages only: every step acts on ``file``)
     ids: np.ndarray  # int64 [T]
@@ -240,7 +241,7 @@ class Captured(NamedTuple):
     states: np.ndarray  # bf16 bits uint16 or float8_e4m3fn bits uint8, [T, L, H]
     scales: tuple[str, np.ndarray] | None  # (safetensors dtype, array) of hidden_states_scales
     contract: EngineContract | None  # None: not written by the fleet's connector
-    digest: str = ""  # sha256 of the data section the arrays were read from
+    checked: Read | None = None  # the header and data digest the arrays were read with (hidden.read_through)
     file: EngineFile | None = None
 
     def discard(self) -> None:
@@ -357,7 +358,8 @@ def _read_engine_file(dir_fd: int, name: str, path: str) -> Captured:
             raise Transient("hidden_states_unreadable", f"{path}: not a regular file")
         try:
             with os.fdopen(os.dup(fd), "rb") as fh:
-                tensors, meta, digest = read_sealed(path, fh)
+                checked = read_through(path, fh)
+            tensors, meta = checked.tensors, checked.meta
         except OSError as exc:
             raise Transient("hidden_states_unreadable", f"{path}: {exc.strerror}") from None
         except ValueError as exc:  # it names the file
@@ -368,7 +370,7 @@ def _read_engine_file(dir_fd: int, name: str, path: str) -> Captured:
             raise Transient("hidden_states_unreadable", f"{path}: expected token_ids [T] and bf16 or fp8 "
                             "hidden_states [T, L, H]")
         return Captured(path, ids[1].astype(np.int64), _FILE_DTYPES[states[0]], states[1],
-                        None if scales is None else (scales[0], scales[1]), _contract(meta, path), digest, held)
+                        None if scales is None else (scales[0], scales[1]), _contract(meta, path), checked, held)
     except BaseException:
         if held is not None:
             held.discard()
@@ -719,9 +721,14 @@ def _unit_ids(rt: CaptureRuntime, task: CaptureTask, record: ResponseRecord) -> 
 
 def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: list[int], spans: Spans,
              source: str) -> str:
-    """Capture one unit with retries and store it; what happened (``stored``, ``duplicate``, ``failed``)."""
+    """Capture one unit with retries and store it; what happened (``stored``, ``duplicate``, ``failed``).
+
+    An attempt is the engine's file, checked, then stored: a file the engine changed after the check
+    (the upload refuses it) fails that attempt like a file refused by the check, so a unit whose
+    engine keeps rewriting its files fails once, after ``max_attempts``, never goes round the queue."""
     got: Captured | None = None
     failure: Exception | None = None
+    stored = False
     for attempt in range(1, rt.cfg.fleet.max_attempts + 1):
         probe = rt.gate.enter()
         try:
@@ -739,9 +746,7 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
             except Exception as exc:  # a bug or an unforeseen file must not ack the unit away uncounted
                 log.exception("capture %s/%s turn %s: unexpected error", task.dataset, task.key, turn_name(task.turn))
                 raise Transient("internal", f"{type(exc).__name__}: {exc}") from None
-            failure = None
             rt.gate.done(probe, right=True)
-            break
         except Halt as exc:  # the server, not the unit: back to the queue for when it is fixed
             if exc.reason in _SETTINGS_HALTS:
                 rt.gate.wrong(probe, exc)
@@ -758,22 +763,21 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
         except Transient as exc:
             rt.gate.done(probe, right=got is not None)
             failure = exc
-            if attempt < rt.cfg.fleet.max_attempts:
-                delay = backoff_s(attempt, exc.retry_after)
-                log.warning("capture %s/%s turn %s: %s; retry %d in %.1fs", task.dataset, task.key,
-                            turn_name(task.turn), exc, attempt, delay)
-                time.sleep(delay)
+            _before_retry(rt, task, attempt, exc)
+            continue
         except BaseException:  # a shutdown: the probe's turn goes to another thread
             rt.gate.done(probe, right=False)
             raise
-    stored = False
-    if failure is None:
         assert got is not None and got.contract is not None
-        meta = unit_metadata(task, m, spans, got.contract)
         try:
-            stored = _store(rt, task, got, meta)
+            stored, failure = _store(rt, task, got, unit_metadata(task, m, spans, got.contract)), None
+            break
         except Permanent as exc:
             failure = exc
+            break
+        except Transient as exc:
+            failure = exc
+            _before_retry(rt, task, attempt, exc)
         finally:
             got.discard()
     if failure is not None:
@@ -788,6 +792,15 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
     return "stored"
 
 
+def _before_retry(rt: CaptureRuntime, task: CaptureTask, attempt: int, exc: Transient) -> None:
+    """Say why an attempt failed and wait out its backoff, unless it was the last."""
+    if attempt < rt.cfg.fleet.max_attempts:
+        delay = backoff_s(attempt, exc.retry_after)
+        log.warning("capture %s/%s turn %s: %s; retry %d in %.1fs", task.dataset, task.key, turn_name(task.turn),
+                    exc, attempt, delay)
+        time.sleep(delay)
+
+
 def unit_metadata(task: CaptureTask, m: CaptureManifest, spans: Spans, contract: EngineContract) -> dict[str, str]:
     """What a stored file's header says of its unit (written into the connector's room): whose it is,
     the answers' spans (the trainers' loss mask) and the engine's contract."""
@@ -798,8 +811,8 @@ def unit_metadata(task: CaptureTask, m: CaptureManifest, spans: Spans, contract:
 
 
 def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str, str]) -> bool:
-    """Give the checked engine file its name in the store, with ``meta`` and the digest of the bytes
-    checked in its header; False if the unit is there already. Every step acts on the descriptors
+    """Give the checked engine file its name in the store, with ``meta`` and the seal over the header
+    and the bytes checked in its header; False if the unit is there already. Every step acts on the descriptors
     that were checked (``EngineFile``). The bytes are written again only where they cannot be linked:
     a file without header room (a server started without the fleet's ``header_room``), one whose
     names are all gone (a file renamed over it), or, with ``[capture] copy``, on another file
@@ -809,7 +822,7 @@ def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str,
         return _upload(rt, task, got, meta)
     final = rt.hidden.path(task.dataset, task.version, task.key, task.turn)
     try:
-        if got.file.rewrite_metadata({**meta, DIGEST_KEY: got.digest}):
+        if got.file.rewrite_metadata(meta, got.checked):
             try:
                 return got.file.link(final)
             except PermissionError as exc:  # fchmod: the file is another user's
@@ -834,16 +847,20 @@ def _store(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str,
 def _upload(rt: CaptureRuntime, task: CaptureTask, got: Captured, meta: dict[str, str]) -> bool:
     """A store in a bucket: the checked file, its header sealed in place, uploaded once from the
     checked descriptor, its header compared on the way with the one just written and its data hashed
-    against the digest checked (a file an engine wrote into after the check is not stored); False when another worker had stored the unit (412).
-    The caller removes the engine's name either way (``Captured.discard``)."""
+    against the digest checked; False when another worker had stored the unit (412). A file an
+    engine wrote into after the check is not stored: ``Transient``, the attempt's failure. The
+    caller removes the engine's name either way (``Captured.discard``)."""
     assert got.file is not None
     try:
-        head = got.file.rewrite_metadata({**meta, DIGEST_KEY: got.digest})
+        head = got.file.rewrite_metadata(meta, got.checked)
     except PermissionError as exc:  # the header rewrite: the file is another user's
         raise _not_ours(got.path, exc) from None
     if head:
-        return rt.hidden.upload(task.dataset, task.version, task.key, task.turn, got.file.fd, digest=got.digest,
-                                head=head)
+        try:
+            return rt.hidden.upload(task.dataset, task.version, task.key, task.turn, got.file.fd,
+                                    digest=got.checked.data.hexdigest(), head=head)
+        except OSError as exc:  # the engine's file, not the bucket: this attempt's failure, counted
+            raise Transient("hidden_states_changed", f"{got.path}: {exc.strerror or exc}") from None
     _warn_no_room(rt, got, meta)
     return _put_checked(rt, task, got, meta)
 

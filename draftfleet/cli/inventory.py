@@ -78,8 +78,9 @@ def print_inventory(invs, store_alone: bool = False) -> None:
                       f"captured{held}, {h.tokens:,} tokens, {h.bytes / 1e9:,.3f} GB ({h.bytes_per_token:,.0f} B/token); "
                       f"the rest and the budget left: about {h.projected_bytes / 1e9:,.2f} GB more", highlight=False)
             if h.verified is not None:
-                out.print(f"  verified: {h.verified:,} files hold the tensors sealed when they were stored"
-                          + (f"; {h.unsealed:,} stored before files carried a digest, not checked" if h.unsealed else "")
+                out.print(f"  verified: {h.verified:,} files are as sealed when they were stored (header and tensors)"
+                          + (f"; {h.unsealed:,} of a version made before seals carry none, not checked" if h.unsealed
+                             else "")
                           + (f"; [red]{len(h.bad_files):,} changed or unreadable[/]" if h.bad_files else ""),
                           highlight=False)
             for why in h.bad_files:
@@ -152,8 +153,8 @@ def register(sub) -> None:
     sp.add_argument("--roundtrip-sample", type=int, default=200,
                     help="exact records checked decode->encode (at most 100k tokens of them; 0: skip)")
     sp.add_argument("--verify", action="store_true",
-                    help="read every hidden-state file of the latest capture version against the digest stored with "
-                    "it; exit 1 if one changed since it was stored")
+                    help="read every hidden-state file of the latest capture version through the seal stored with "
+                    "it (its header and tensors); exit 1 if one changed since it was stored")
     sp.add_argument("--json", action="store_true", help="print the inventory as JSON")
     sp.set_defaults(func=cmd_inventory)
 

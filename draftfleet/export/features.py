@@ -44,7 +44,7 @@ from draftfleet.conversation import record_turns
 from draftfleet.export import ExportError, _order, _selection
 from draftfleet.export import specforge, speculators, torch_files
 from draftfleet.hidden import (CONVERSATION, HIDDEN_DIR, HiddenStore, Spans, TargetModel, encode_safetensors, file_spans,
-                               loss_mask, open_hidden, read_safetensors, verify_digest)
+                               loss_mask, open_hidden, read_checked)
 from draftfleet.schemas.records import GenerationSettings
 from draftfleet.store import Store
 
@@ -99,7 +99,7 @@ class FeaturesManifest(msgspec.Struct, kw_only=True):
     rows: int
     tokens: int
     missing: int  # record turns with output ids but no captured file (run draftfleet capture)
-    bad_files: list[str] = []  # stored files not exported, each with why: changed since stored (digest), unreadable
+    bad_files: list[str] = []  # stored files not exported, each with why: changed since stored (seal), unreadable
     units: str = "turn"  # the capture version's: "conversation" (a conversation whose turns prefix each other is one row)
     conversation_rows: int = 0  # rows that are a whole conversation (id <key>, the loss mask over every answer)
     per_turn_conversations: int = 0  # conversations of 2+ turns exported a row per turn (id <key>_gen<turn>)
@@ -118,7 +118,10 @@ def _rows(hidden: HiddenStore, records: list, dataset: str, version: int
     """(id, ids, loss mask, file, answer spans) per captured unit of the chosen records, in export
     order: a conversation captured once is one row (id ``<key>``, the mask over every answer), else
     a row per turn; how many turns lack a file; the conversations of 2+ turns captured per turn;
-    why each file left out is bad (its tensors changed since it was stored, or it cannot be read)."""
+    why each file left out is bad (changed since it was stored: its seal wrong, or missing in a
+    version made with seals; or it cannot be read). Each file's ids and spans are taken from the
+    bytes its seal is checked on, in one open."""
+    required = hidden.sealed(dataset, version)
     rows, missing, per_turn, bad = [], 0, [], []
     for rec in records:
         whole = hidden.path(dataset, version, rec.key, CONVERSATION)
@@ -138,8 +141,8 @@ def _rows(hidden: HiddenStore, records: list, dataset: str, version: int
                 units.append((f"{rec.key}_gen{turn}" if rec.turns else rec.key, path))
         for rid, path in units:
             try:
-                verify_digest(path)  # a file changed since it was stored is no sample
-                tensors, meta = read_safetensors(path, ("token_ids",))  # the ids; the states stay on disk
+                # a file changed since it was stored is no sample; the states are hashed, not kept
+                tensors, meta, _sealed = read_checked(path, required, ("token_ids",))
                 ids = tensors["token_ids"][1].tolist()
                 spans = file_spans(meta, len(ids), path)
             except OSError as exc:

@@ -87,9 +87,9 @@ class HiddenInventory(msgspec.Struct, kw_only=True):
     dtype: str = "bfloat16"
     bytes_per_token: float = 0.0  # what the files hold a token (the dtype's figure while there are none)
     projected_bytes: int = 0  # what the turns not captured yet and the budget left will take, in this dtype
-    verified: int | None = None  # --verify: files whose tensors hash to the digest stored with them (None: not read)
-    unsealed: int = 0  # --verify: files without a digest (stored before files carried one): not checked
-    bad_files: list[str] = []  # --verify: each file changed since it was stored (or unreadable), with why
+    verified: int | None = None  # --verify: files whose header and tensors match their seal (None: not read)
+    unsealed: int = 0  # --verify: files without a seal, of a version made before seals: not checked
+    bad_files: list[str] = []  # --verify: each file changed since it was stored (seal wrong or removed), or unreadable
 
 
 class DatasetInventory(msgspec.Struct, kw_only=True):
@@ -369,7 +369,7 @@ def run_inventory(
 ) -> list[DatasetInventory]:
     """Inventory of each dataset (its current version, or ``version``, or ``all_versions``);
     budgets and prices from the config, else from the manifests. A version it lacks: VersionError.
-    ``verify``: read every hidden-state file of the latest capture version against its digest.
+    ``verify``: read every hidden-state file of the latest capture version through its seal.
     ``r``: the fleet's Redis, for the turns of each dataset's next queued task (admission's reservation)."""
     store = open_store(cfg or store_root)
     names = datasets or (store.datasets() if cfg is None else [d.name for d in cfg.datasets])

@@ -342,21 +342,26 @@ def reasons_chart(counts: dict[str, int]) -> str | None:
     return _svg(fig)
 
 
-def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, str]:
-    """Captured turns over time (the files' times) against the units, and the bytes they take."""
+def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, str, list[str]]:
+    """Captured turns over time (the files' times) against the units, the bytes they take, and why
+    each file is bad: every file is read through its seal (``inventory --verify``'s check), so a
+    file changed after it was stored, which no export takes, is on the page."""
     from draftfleet.hidden import open_hidden
 
     hidden = open_hidden(store)
     m = hidden.manifest(dataset)
     if m is None:
-        return None, "no hidden-state capture for this dataset"
+        return None, "no hidden-state capture for this dataset", []
     held = sorted((e.mtime, e.turns, e.tokens, e.bytes) for e in hidden.entries(dataset, m.version))
+    good, unsealed, bad = hidden.verify(dataset, m.version)
     times = [h[0] for h in held]
     turns, ntokens, size = (sum(h[i] for h in held) for i in (1, 2, 3))
     text = (f"v{m.version} (layers {m.layer_ids}): {turns:,} of {units:,} turns captured, {ntokens:,} tokens, "
-            f"{size / 1e9:,.3f} GB" + (f" ({size / ntokens:,.0f} B/token)" if ntokens else ""))
+            f"{size / 1e9:,.3f} GB" + (f" ({size / ntokens:,.0f} B/token)" if ntokens else "")
+            + f"; {good:,} files as sealed" + (f", {unsealed:,} of a version made before seals, not checked"
+                                               if unsealed else ""))
     if not times:
-        return None, text
+        return None, text, bad
     fig, ax = _figure(2.8)
     t, y = _binned_cumulative(times, [float(h[1]) for h in held])  # a conversation's file: all its turns
     axis = TimeAxis(times[0], times[-1])
@@ -366,7 +371,7 @@ def capture_chart(store: Store, dataset: str, units: int) -> tuple[str | None, s
     ax.set_ylabel("turns")
     _amounts(ax)
     ax.legend(fontsize="small", loc="upper left")
-    return _svg(fig), text
+    return _svg(fig), text, bad
 
 
 # -- the page ------------------------------------------------------------------------------------------
@@ -455,8 +460,12 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
             failures[f"counted {name}"] = n
     parts.append(_chart("failures and quarantined lines by reason", reasons_chart(failures),
                         "" if failures else "none"))
-    svg, note = capture_chart(store, dataset, c.units)
+    svg, note, bad = capture_chart(store, dataset, c.units)
     parts.append(_chart("hidden-state capture", svg, note))
+    if bad:
+        parts.append(f'<p class="stalled">{len(bad):,} file{"s" if len(bad) > 1 else ""} changed or unreadable since '
+                     "stored, not exported (capture each unit again):</p><ul>"
+                     + "".join(f'<li class="stalled">{_e(why)}</li>' for why in bad) + "</ul>")
     return "".join(parts)
 
 
