@@ -36,7 +36,7 @@ from draftfleet.schemas.records import Message, ResponseRecord, Usage
 from draftfleet.store import open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.workers.app import make_app
-from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
+from draftfleet.workers.capture_engine import capture_server, connector_folder, remove_connector_folder
 from tests.engines.real import SERVED_NAME, find_engine, gauge, metrics, tiny_model
 
 from .env import TOKENIZER, Figure, PrivateRedis, Section, WorkerProcess, fresh_dir, free_port, ratio, wait_for

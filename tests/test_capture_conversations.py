@@ -222,7 +222,7 @@ def test_a_long_conversations_metadata_fits_the_room_the_connector_leaves(tmp_pa
     (else every such file would be written a second time)."""
     from draftfleet.hidden import HEADER_ROOM, rewrite_metadata
     from draftfleet.schemas.records import CaptureManifest, CaptureTask, EngineContract
-    from draftfleet.workers.capture import unit_metadata
+    from draftfleet.workers.capture_intake import unit_metadata
 
     from tests.test_hidden import _engine_file
 

@@ -187,14 +187,14 @@ def test_bytes_per_token_and_the_projection_of_the_budget_left(tmp_path, tokeniz
 
 def _fp8_unit(t: int = 3, nan: bool = False):
     from draftfleet.schemas.records import CaptureManifest
-    from draftfleet.workers.capture import Captured
+    from draftfleet.workers.capture_intake import Captured
 
     m = CaptureManifest(dataset="ds", version=1, model="m", model_config_sha256="0" * 64, num_layers=8, hidden_size=4,
                         layer_ids=[2, 4, 5, 8], dtype="float8_e4m3fn", created_at=0.0)
     states = np.full((t, 4, 4), 0x38, dtype=np.uint8)  # 1.0 in e4m3
     if nan:
         states[1, 2, 3] = 0xFF
-    from draftfleet.workers.capture import wanted_contract
+    from draftfleet.workers.capture_intake import wanted_contract
 
     return m, Captured("/incoming/x.safetensors", np.arange(t, dtype=np.int64), "float8_e4m3fn", states,
                        ("F32", np.full((t, 1, 1), 0.5, np.float32)), wanted_contract(m))
@@ -202,7 +202,7 @@ def _fp8_unit(t: int = 3, nan: bool = False):
 
 def test_fp8_states_are_checked_like_bf16_ones():
     from draftfleet.workers.backends import Halt, Permanent
-    from draftfleet.workers.capture import check_states
+    from draftfleet.workers.capture_intake import check_states
 
     m, got = _fp8_unit()
     check_states([0, 1, 2], got, m)
@@ -360,7 +360,7 @@ def test_a_killed_workers_engine_files_are_swept(tmp_path):
     import fcntl
     import time
 
-    from draftfleet.workers.capture import sweep_orphans
+    from draftfleet.workers.capture_intake import sweep_orphans
 
     folder = tmp_path / "incoming"
     folder.mkdir()
@@ -711,7 +711,7 @@ def test_store_modes_do_not_follow_the_umask_and_stored_files_are_read_only(tmp_
 
     from draftfleet.schemas.config import VLLMLaunch
     from draftfleet.schemas.records import FailureRecord, QuarantineEntry, TurnProgress
-    from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
+    from draftfleet.workers.capture_engine import capture_server, connector_folder, remove_connector_folder
 
     from tests.conftest import free_port
     from tests.test_security import _task

@@ -703,7 +703,7 @@ def test_an_engine_running_as_another_user_is_one_clear_failure_never_an_endless
 def test_the_engine_imports_the_connector_from_a_private_folder_never_the_data_folder(tmp_path):
     from draftfleet.schemas.config import VLLMLaunch
     from draftfleet.tokenizer import check_code_folder
-    from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
+    from draftfleet.workers.capture_engine import capture_server, connector_folder, remove_connector_folder
 
     storage = tmp_path / "shared" / "incoming"  # a shared folder others can write into
     marker = tmp_path / "planted-code-ran"

@@ -53,7 +53,8 @@ def cmd_cloud(args) -> int:
 
 
 def cmd_capture(args) -> int:
-    from draftfleet.workers.capture import engine_command, run_capture_worker
+    from draftfleet.workers.capture import run_capture_worker
+    from draftfleet.workers.capture_engine import engine_command
 
     cfg = config(args)
     if args.print_engine_command:

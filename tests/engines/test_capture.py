@@ -30,7 +30,7 @@ from draftfleet.hidden import (CONVERSATION, HEADER_ROOM, HIDDEN_DIR, HiddenStor
                                encode_safetensors, f32_to_bf16, read_safetensors)
 from draftfleet.schemas.config import load_config
 from draftfleet.store import open_store
-from draftfleet.workers.capture import capture_server, connector_folder, remove_connector_folder
+from draftfleet.workers.capture_engine import capture_server, connector_folder, remove_connector_folder
 
 from ..conftest import free_port, run_cli, wait_until, write_config, write_jsonl
 from ..test_faults import CLAIM_ENV, _workers_up
