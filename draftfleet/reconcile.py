@@ -7,7 +7,8 @@ those same keys' records; any difference is drift, reported and corrected with i
 while workers keep counting); (3) the paid turns of conversations not stored yet: every turn kept
 in ``_progress/`` is marked as paid (a mark Redis lost is made again, its cost and tokens counted),
 and ``paid_tokens`` is set to the sum of the marks of keys not counted; (4) reservations left by
-dead workers (no claim, or another copy's) are dropped.
+dead workers (no claim, or another copy's) are dropped. Failure records of keys stored since are
+deleted (a bucket's ``put`` leaves them). Each pass also aborts the store's stale uploads.
 Records are write-once, so each is read once and its figures cached for later passes. A record
 file that cannot be read (empty, corrupt, a dangling link) is no result: it is set aside, so the
 next ``enqueue`` sends its prompt again.
@@ -128,6 +129,9 @@ class Reconciler:
         unreadable: list[str] = []
         broken: set[str] = set()
         keys = self.store.keys(dataset)
+        for failure in self.store._failures(dataset):  # finished since (a bucket's put leaves it)
+            if failure.key in keys:
+                self.store.clear_failure(dataset, failure.key)
         records = self._read(dataset, keys, unreadable, broken)
         aside = []
         for key in sorted(broken):
@@ -213,4 +217,6 @@ class Reconciler:
         return remarked, self.ledger.rebuild_paid(dataset)
 
     def reconcile_all(self, datasets: list[str] | None = None) -> list[Drift]:
+        """A pass over ``datasets`` (default: all), and the store's stale uploads aborted."""
+        self.store.abort_stale_uploads()
         return [self.reconcile(d) for d in (datasets or self.store.datasets())]
