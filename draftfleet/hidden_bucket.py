@@ -6,8 +6,9 @@
 A unit's file is uploaded once from the capture worker's checked descriptor with
 ``If-None-Match: *`` (``Bucket.put_file``: one ``PutObject``, or parts completed under that
 condition): 412, another worker stored the unit, is a lost ``link`` (unless the object carries this
-upload's token: its answer was lost); 409, a write of the key under way, is tried again. Sizes come from the listing, token counts from each header alone (one ranged
-GET), and ``verify`` streams every object through its digest. Trainers read local files only, so
+upload's token: its answer was lost); 409, a write of the key under way, is tried again. Sizes
+come from the listing, token counts from each header alone (one ranged GET), and ``verify``
+streams every object through its digest. Trainers read local files only, so
 an export first copies a version's files into a local cache (``download``) laid out as a folder
 store's ``_hidden``, and reads them there.
 """
