@@ -14,14 +14,16 @@ each by one S3 request:
   of what identifies it (so a re-run's is the same object, written once), a logged decision
   under its time;
 - listings are by prefix, 1,000 keys a request; a dataset's 256 shard folders side by side;
-- an unreadable record is set aside by a copy and a delete conditional on the ETag copied;
+- an unreadable record is set aside by a copy and a delete conditional on the ETag copied
+  (a bucket that ignores the condition keeps the record where it is);
 - multipart uploads under the prefix begun over ``STALE_UPLOAD_S`` ago (a worker killed mid-upload)
   are aborted by ``prepare`` and each reconciler pass.
 
 ``prepare`` refuses a bucket that does not honour ``If-None-Match`` (it writes a probe twice, then
 from several threads at once: without it two workers finishing one prompt would both count it)
 or ``If-Match`` (a stale ETag must be refused: without it an enqueue's manifest could be lost),
-drops an object's metadata (the write's token) or ignores ``If-Match`` on ``DeleteObject``.
+or drops an object's metadata (the write's token). A bucket whose ``DeleteObject`` ignores
+``If-Match`` is used, but an unreadable record in it is left in place (``set_aside``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class ObjectStore(Store):
         self.location = f"s3://{self.bucket_name}/{self.prefix}" if self.prefix else f"s3://{self.bucket_name}"
         self.bucket = Bucket(self.bucket_name, options)
         self._etags: dict[str, str | None] = {}  # dataset -> the ETag its manifest was read with
+        self._conditional_delete: bool | None = None  # whether DELETE honours If-Match (None: not probed yet)
 
     def _key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
@@ -188,20 +191,40 @@ class ObjectStore(Store):
             else:
                 raise StoreError(f"{refuse} the bucket ignores If-Match (a PUT with a stale ETag succeeded), so "
                                  f"an enqueue could overwrite a manifest another enqueue just wrote; {advice}")
-            try:
-                self.bucket.delete(probe, if_match=stale)
-            except S3Error as exc:
-                if exc.status != 412:
-                    raise
-            else:
-                raise StoreError(f"{refuse} the bucket ignores If-Match on DELETE (a delete with a stale ETag removed "
-                                 f"the object), so setting an unreadable record aside could delete a good one stored "
-                                 f"meanwhile; {advice}")
-            self.bucket.delete(probe, if_match=current)
+            self._probe_delete(probe, stale, current)
             self._probe_race(race, refuse, advice)
         finally:
             with ThreadPoolExecutor(len(race) + 1) as pool:
                 list(pool.map(self._try_delete, (probe, *race)))
+
+    def _probe_delete(self, probe: str, stale: str, current: str) -> bool:
+        """Whether DELETE honours If-Match, on ``probe`` (now of ETag ``current``, once ``stale``): a
+        delete with the stale ETag must answer 412 and leave it, one with the current ETag remove it.
+        Amazon S3 documents it ("How to perform conditional deletes"), SeaweedFS 4.48 does it;
+        Cloudflare R2's conditional operations name writes only. Without it ``set_aside`` moves nothing."""
+        try:
+            self.bucket.delete(probe, if_match=stale)
+        except S3Error as exc:
+            if exc.status != 412:
+                raise
+            self.bucket.delete(probe, if_match=current)
+            self._conditional_delete = True
+        else:
+            self._conditional_delete = False
+            log.warning("%s: the bucket ignores If-Match on DELETE, so an unreadable record is left where it is, "
+                        "for a person to look at and remove (it is then generated again)", self.location)
+        return self._conditional_delete
+
+    def _deletes_conditionally(self) -> bool:
+        """``_probe_delete``'s answer, probed now on an object of its own if ``prepare`` did not."""
+        if self._conditional_delete is None:
+            probe = self._key("_probe", secrets.token_hex(8))
+            try:
+                stale = self.bucket.put(probe, b"1")
+                self._probe_delete(probe, stale, self.bucket.put(probe, b"2"))
+            finally:
+                self._try_delete(probe)
+        return self._conditional_delete
 
     def _try_delete(self, key: str) -> None:
         """Delete ``key`` if the bucket lets us: what is left is harmless (a probe under ``_probe/``,
@@ -256,10 +279,11 @@ class ObjectStore(Store):
     def set_aside(self, dataset: str, key: str) -> str | None:
         """Copy the record to ``_unreadable/``, then delete it only if it is still the object copied
         (``If-Match`` on its ETag): a caller whose claim was lost mid-way, while another one set the
-        record aside and a good one was stored, deletes nothing and removes its copy (None)."""
+        record aside and a good one was stored, deletes nothing and removes its copy (None). In a
+        bucket whose DELETE ignores If-Match the record is left in place (None)."""
         src = self._record_key(dataset, key)
         got = self.bucket.head(src)
-        if got is None:
+        if got is None or not self._deletes_conditionally():
             return None
         dst = self._key("_unreadable", dataset, f"{key}.{time.time_ns()}.json")
         try:
