@@ -5,8 +5,8 @@ Timed: records stored by 16 threads (a threads-pool worker's writers) through ``
 (write-once: ``link`` on a folder, ``If-None-Match: *`` in a bucket), with the CPU this process
 spent per record (the client's cost; the server's is its own process) and the requests it sent;
 large blobs written once (64 MiB each, the size of a long hidden-state file: ``write_once``
-against one conditional PUT); and listing every key of a dataset (``Store.keys``, what ``enqueue``'s resume reads) at 100k+:
-the bucket's 16 prefixes side by side (``Bucket.list_sharded``) against one prefix in a row (one
+against one conditional PUT); and listing every key of a dataset (``Store.keys``, what
+``enqueue``'s resume reads) at 100k+: the bucket's 16 prefixes side by side (``Bucket.list_sharded``) against one prefix in a row (one
 request per 1,000 keys, each naming the next), the way it was listed before with botocore's own
 timestamp parser too. Loopback has no network latency, so both listings are timed again with
 ``LATENCY_MS`` slept before each request, a nearby region's round trip.
