@@ -5,9 +5,10 @@
 
 A unit's file is uploaded once from the capture worker's checked descriptor with
 ``If-None-Match: *`` (``Bucket.put_file``: one ``PutObject``, or parts completed under that
-condition): 412, another worker stored the unit, is a lost ``link``; 409, a write of the key under
-way, is tried again. Sizes come from the listing, token counts from each header alone (one ranged
-GET), and ``verify`` streams every object through its seal (``hidden.check_seal``). Trainers read local files only, so
+condition): 412, another worker stored the unit, is a lost ``link`` (unless the object carries this
+upload's token: its answer was lost); 409, a write of the key under way, is tried again. Sizes
+come from the listing, token counts from each header alone (one ranged GET), and ``verify``
+streams every object through its seal (``hidden.check_seal``). Trainers read local files only, so
 an export first copies a version's files into a local cache (``download``) laid out as a folder
 store's ``_hidden``, and reads them there.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,8 +94,10 @@ class BucketHidden(Hidden):
                 except ValueError as exc:  # its header changed since the check
                     raise OSError(errno.EIO, str(exc)) from None
             sealed = (head, digest)
+        writer = secrets.token_hex(16)  # one for every try of this upload (Bucket.put_file)
         try:
-            self.store._retry_conflict(lambda: self.bucket.put_file(name, fd, part_size=part_size, sealed=sealed))
+            self.store._retry_conflict(lambda: self.bucket.put_file(name, fd, part_size=part_size, sealed=sealed,
+                                                                    writer=writer))
         except S3Error as exc:
             if exc.status == 412:
                 return False

@@ -4,24 +4,33 @@ The layout under the prefix is the file store's (draftfleet/store.py), and so ar
 each by one S3 request:
 
 - a record is written once by ``PutObject`` with ``If-None-Match: *``: 412 means another writer
-  won (a lost ``link``); 409 means a write of the same key was under way: try again;
+  won (a lost ``link``), unless the object carries this write's own token (``Bucket.put``: its
+  answer was lost, and botocore's retry was refused); 409 means a write of the same key was under
+  way: try again. That PUT is all a record costs (a twin's, one HEAD more);
 - a manifest is replaced by ``If-Match: <the ETag it was read with>``: an enqueue that read an
   older one is refused instead of overwriting what another enqueue wrote meanwhile;
 - failures and progress are replaced whole (a PUT is atomic), and deleted when done;
 - what a file store appends to becomes one object per entry: a quarantined line under the hash
   of what identifies it (so a re-run's is the same object, written once), a logged decision
   under its time;
-- listings are by prefix, 1,000 keys a request; a dataset's 256 shard folders side by side.
+- listings are by prefix, 1,000 keys a request; a dataset's 256 shard folders side by side;
+- an unreadable record is set aside by a copy and a delete conditional on the ETag copied
+  (a bucket that ignores the condition keeps the record where it is);
+- multipart uploads under the prefix begun over ``STALE_UPLOAD_S`` ago (a worker killed mid-upload)
+  are aborted by ``prepare`` and each reconciler pass.
 
 ``prepare`` refuses a bucket that does not honour ``If-None-Match`` (it writes a probe twice, then
 from several threads at once: without it two workers finishing one prompt would both count it)
-or ``If-Match`` (a stale ETag must be refused: without it an enqueue's manifest could be lost).
+or ``If-Match`` (a stale ETag must be refused: without it an enqueue's manifest could be lost),
+or drops an object's metadata (the write's token). A bucket whose ``DeleteObject`` ignores
+``If-Match`` is used, but an unreadable record in it is left in place (``set_aside``).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import re
 import secrets
 import threading
@@ -31,10 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from draftfleet.s3 import Bucket, S3Error
+from draftfleet.s3 import WRITER, Bucket, S3Error
 from draftfleet.schemas.config import NAME_RE, StoreS3Section
 from draftfleet.schemas.records import (ChargeRecord, DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry,
-                                        TurnProgress)
+                                        ResponseRecord, TurnProgress)
 from draftfleet.store import (
     _FLEET_ENTRIES,
     MARKER,
@@ -59,6 +68,10 @@ CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: another write of the key
 # makes a third concurrent writer of a key wait about a second (measured: 2-3 s for 8, 40 ms for 4x2)
 PROBE_KEYS, PROBE_RACERS = 4, 2
 _RECORD_RE = re.compile(r"/[0-9a-f]{2}/[0-9a-f]{64}\.json$")
+# A multipart upload begun longer ago than this is a dead writer's: a unit's file (GiBs at most) goes
+# up in minutes, so a live worker's upload is never this old (ops/scaling.md)
+STALE_UPLOAD_S = 24 * 3600
+log = logging.getLogger(__name__)
 
 
 def parse_location(location: str) -> tuple[str, str]:
@@ -83,6 +96,7 @@ class ObjectStore(Store):
         self.location = f"s3://{self.bucket_name}/{self.prefix}" if self.prefix else f"s3://{self.bucket_name}"
         self.bucket = Bucket(self.bucket_name, options)
         self._etags: dict[str, str | None] = {}  # dataset -> the ETag its manifest was read with
+        self._conditional_delete: bool | None = None  # whether DELETE honours If-Match (None: not probed yet)
 
     def _key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
@@ -98,8 +112,9 @@ class ObjectStore(Store):
                 time.sleep(0.05 * 2**attempt)
 
     def _create_object(self, key: str, data: bytes) -> bool:
+        writer = secrets.token_hex(16)  # one for every try of this write
         try:
-            self._retry_conflict(lambda: self.bucket.put(key, data, if_none_match=True))
+            self._retry_conflict(lambda: self.bucket.put(key, data, if_none_match=True, writer=writer))
         except S3Error as exc:
             if exc.status == 412:
                 return False
@@ -109,7 +124,8 @@ class ObjectStore(Store):
     # -- the store's own --------------------------------------------------------------------
     def prepare(self) -> None:
         """Refuse a bucket that cannot be reached or written, a prefix holding what the fleet did
-        not make, and a bucket that ignores conditional writes; then mark the prefix."""
+        not make, and a bucket that ignores conditional writes; then mark the prefix and abort
+        stale uploads."""
         self.bucket.check_bucket()
         marker = self._key(MARKER)
         if not self.bucket.exists(marker):
@@ -128,11 +144,28 @@ class ObjectStore(Store):
                                  f"({', '.join(foreign[:5])}) and no {MARKER} marker; use an empty prefix")
         self._probe_conditional_writes()
         self._create_object(marker, b'{"draftfleet_store": 1}\n')
+        self.abort_stale_uploads()
+
+    def abort_stale_uploads(self) -> int:
+        """Abort the multipart uploads under the prefix begun over ``STALE_UPLOAD_S`` ago: a worker
+        killed -9 mid-upload leaves its parts billed. A failure is logged, not raised: it loses nothing."""
+        top = self._key("") if self.prefix else ""
+        try:
+            aborted = self.bucket.abort_uploads(top, time.time() - STALE_UPLOAD_S)
+        except S3Error as exc:
+            log.warning("cannot abort stale uploads in %s: %s", self.location, exc)
+            return 0
+        if aborted:
+            log.warning("%s: aborted %d multipart uploads begun over %.0f h ago (writers killed mid-upload)",
+                        self.location, aborted, STALE_UPLOAD_S / 3600)
+        return aborted
 
     def _probe_conditional_writes(self) -> None:
-        """Write a probe the way the fleet writes: ``If-None-Match`` twice in a row (records),
-        ``If-Match`` with a current then a stale ETag (manifests), and ``PROBE_RACERS`` writers of
-        each of ``PROBE_KEYS`` new keys at once (a server that checks, then writes, lets several win)."""
+        """Write a probe the way the fleet writes: ``If-None-Match`` twice in a row (records), its
+        token kept as metadata (a lost answer's 412 told apart), ``If-Match`` with a current then a
+        stale ETag (manifests), a DELETE with the stale ETag then the current one (``set_aside``),
+        and ``PROBE_RACERS`` writers of each of ``PROBE_KEYS`` new keys at once (a server that
+        checks, then writes, lets several win)."""
         probe = self._key("_probe", secrets.token_hex(8))
         race = [f"{probe}.race{n}" for n in range(PROBE_KEYS)]
         refuse = f"refusing store {self.location}:"
@@ -141,9 +174,12 @@ class ObjectStore(Store):
             if not self._create_object(probe, b"1") or self._create_object(probe, b"2"):
                 raise StoreError(f"{refuse} the bucket ignores If-None-Match (a second conditional PUT of one "
                                  f"key succeeded), so two workers could both store one prompt; {advice}")
-            stale = self.bucket.get(probe)[1]
+            stale, meta = self.bucket.head(probe)
+            if WRITER not in meta:
+                raise StoreError(f"{refuse} the bucket drops an object's metadata (x-amz-meta-*), so a record whose "
+                                 f"answer was lost would be taken for another writer's; {advice}")
             try:
-                self._retry_conflict(lambda: self.bucket.put(probe, b"3", if_match=stale))
+                current = self._retry_conflict(lambda: self.bucket.put(probe, b"3", if_match=stale))
             except S3Error as exc:
                 if exc.status != 412:
                     raise
@@ -157,16 +193,48 @@ class ObjectStore(Store):
             else:
                 raise StoreError(f"{refuse} the bucket ignores If-Match (a PUT with a stale ETag succeeded), so "
                                  f"an enqueue could overwrite a manifest another enqueue just wrote; {advice}")
+            self._probe_delete(probe, stale, current)
             self._probe_race(race, refuse, advice)
         finally:
             with ThreadPoolExecutor(len(race) + 1) as pool:
-                list(pool.map(self._delete_probe, (probe, *race)))
+                list(pool.map(self._try_delete, (probe, *race)))
 
-    def _delete_probe(self, key: str) -> None:
+    def _probe_delete(self, probe: str, stale: str, current: str) -> bool:
+        """Whether DELETE honours If-Match, on ``probe`` (now of ETag ``current``, once ``stale``): a
+        delete with the stale ETag must answer 412 and leave it, one with the current ETag remove it.
+        Amazon S3 documents it ("How to perform conditional deletes"), SeaweedFS 4.48 does it;
+        Cloudflare R2's conditional operations name writes only. Without it ``set_aside`` moves nothing."""
+        try:
+            self.bucket.delete(probe, if_match=stale)
+        except S3Error as exc:
+            if exc.status != 412:
+                raise
+            self.bucket.delete(probe, if_match=current)
+            self._conditional_delete = True
+        else:
+            self._conditional_delete = False
+            log.warning("%s: the bucket ignores If-Match on DELETE, so an unreadable record is left where it is, "
+                        "for a person to look at and remove (it is then generated again)", self.location)
+        return self._conditional_delete
+
+    def _deletes_conditionally(self) -> bool:
+        """``_probe_delete``'s answer, probed now on an object of its own if ``prepare`` did not."""
+        if self._conditional_delete is None:
+            probe = self._key("_probe", secrets.token_hex(8))
+            try:
+                stale = self.bucket.put(probe, b"1")
+                self._probe_delete(probe, stale, self.bucket.put(probe, b"2"))
+            finally:
+                self._try_delete(probe)
+        return self._conditional_delete
+
+    def _try_delete(self, key: str) -> None:
+        """Delete ``key`` if the bucket lets us: what is left is harmless (a probe under ``_probe/``,
+        a second copy of a record set aside)."""
         try:
             self.bucket.delete(key)
         except S3Error:
-            pass  # the probe is left: harmless, under _probe/
+            pass
 
     def _probe_race(self, keys: list[str], refuse: str, advice: str) -> None:
         n = len(keys) * PROBE_RACERS
@@ -202,13 +270,32 @@ class ObjectStore(Store):
     def _create(self, dataset: str, key: str, data: bytes) -> bool:
         return self._create_object(self._record_key(dataset, key), data)
 
+    def put(self, record: ResponseRecord) -> bool:
+        """Write ``record`` once: the conditional PUT and nothing more. The key's failure record is
+        left (a DELETE for every record was half of its requests and client CPU, bench store):
+        ``failures`` never lists a key with a result, and the reconciler removes it."""
+        check_name(record.dataset)
+        check_key(record.key)
+        return self._create(record.dataset, record.key, _encoder.encode(record))
+
     def set_aside(self, dataset: str, key: str) -> str | None:
+        """Copy the record to ``_unreadable/``, then delete it only if it is still the object copied
+        (``If-Match`` on its ETag): a caller whose claim was lost mid-way, while another one set the
+        record aside and a good one was stored, deletes nothing and removes its copy (None). In a
+        bucket whose DELETE ignores If-Match the record is left in place (None)."""
         src = self._record_key(dataset, key)
-        if not self.bucket.exists(src):
+        got = self.bucket.head(src)
+        if got is None or not self._deletes_conditionally():
             return None
         dst = self._key("_unreadable", dataset, f"{key}.{time.time_ns()}.json")
-        self.bucket.copy(src, dst)
-        self.bucket.delete(src)
+        try:
+            self.bucket.copy(src, dst, if_match=got[0])
+            self.bucket.delete(src, if_match=got[0])
+        except S3Error as exc:
+            if exc.status not in (404, 412):
+                raise
+            self._try_delete(dst)  # gone or replaced since the HEAD: another caller moved it
+            return None
         return f"s3://{self.bucket_name}/{dst}"
 
     def record_bytes(self, dataset: str, key: str) -> bytes:
@@ -269,8 +356,10 @@ class ObjectStore(Store):
         seen = self._etags[manifest.name]
         key = self._key(check_name(manifest.name), "manifest.json")
         data = msgspec.json.format(_encoder.encode(manifest))
+        writer = secrets.token_hex(16)
         try:
-            etag = self._retry_conflict(lambda: self.bucket.put(key, data, if_none_match=seen is None, if_match=seen))
+            etag = self._retry_conflict(lambda: self.bucket.put(key, data, if_none_match=seen is None, if_match=seen,
+                                                                writer=writer))
         except S3Error as exc:
             if exc.status == 412:
                 self._etags.pop(manifest.name, None)

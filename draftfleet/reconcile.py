@@ -7,8 +7,9 @@ those same keys' records; any difference is drift, reported and corrected with i
 while workers keep counting); (3) the paid turns of conversations not stored yet: every turn kept
 in ``_progress/`` is marked as paid (a mark Redis lost is made again, its cost and tokens counted),
 and ``paid_tokens`` is set to the sum of the marks of keys not counted; (4) reservations left by
-dead workers (no claim, or another copy's) are dropped. The kept charges (paid generations no
-record carries) are counted into the spend once each.
+dead workers (no claim, or another copy's) are dropped. Failure records of keys stored since are
+deleted (a bucket's ``put`` leaves them). Each pass also aborts the store's stale uploads, and
+counts into the spend, once each, the kept charges (paid generations no record carries).
 
 After Redis lost its data the counters are not trusted until :func:`ensure_counters` has rebuilt
 them: budget admission and the spend caps wait for it (``rk.COUNTERS_BUILT``), and so does enqueue.
@@ -148,6 +149,9 @@ class Reconciler:
         unreadable: list[str] = []
         broken: set[str] = set()
         keys = self.store.keys(dataset)
+        for failure in self.store._failures(dataset):  # finished since (a bucket's put leaves it)
+            if failure.key in keys:
+                self.store.clear_failure(dataset, failure.key)
         records = self._read(dataset, keys, unreadable, broken)
         aside = []
         for key in sorted(broken):
@@ -233,7 +237,9 @@ class Reconciler:
         return remarked, self.ledger.rebuild_paid(dataset)
 
     def reconcile_all(self, datasets: list[str] | None = None) -> list[Drift]:
-        """A pass over ``datasets`` (default: every dataset in the store), and the kept charges."""
+        """A pass over ``datasets`` (default: every dataset in the store), the kept charges, and the
+        store's stale uploads aborted."""
+        self.store.abort_stale_uploads()
         drifts = [self.reconcile(d) for d in (datasets or self.store.datasets())]
         self.count_charges()
         return drifts

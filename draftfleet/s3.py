@@ -10,6 +10,12 @@ Every failure leaves as one ``S3Error`` line naming the bucket, the object (its 
 name and a content hash, nothing secret) and what to do, never a credential: ``PreconditionFailed``
 (412, another writer won) and ``Conflict`` (409, a concurrent write: try again) are told apart by
 ``status``.
+
+A conditional write may be stored while its answer is lost (a connection closed, a read timeout):
+botocore's standard retry mode sends it again (``retries/standard.py``: ``ConnectionError`` and
+``HTTPClientError`` are transient), and the server answers that retry 412, as to another writer.
+So each conditional write carries a token of its own as the object's metadata (``WRITER``), and a
+412 is this write's own when one HEAD finds its token on the object.
 """
 
 from __future__ import annotations
@@ -49,6 +55,22 @@ def _boto():
     except ImportError as exc:  # an extra: a file store needs none of it
         raise S3Error("an s3:// store needs boto3: pip install 'draftfleet[s3]'") from exc
     return boto3, botocore
+
+
+WRITER = "draftfleet-write"  # x-amz-meta-draftfleet-write: the token of the conditional write that stored the object
+EXPECT_MIN = 1 << 20  # a request body this large waits for the server's 100 Continue first
+
+
+def _expect_large_bodies(params, **_):
+    """botocore has every PUT or POST body wait for ``100 Continue`` ("Any file like object will use
+    an expect 100-continue header regardless of size", ``handlers.add_expect_header``): one server
+    turn more per record, a quarter of its client CPU (bench store). Kept from ``EXPECT_MIN`` bytes
+    up, where a 412 then spares the upload."""
+    headers = params["headers"]
+    if "Expect" in headers:
+        size = _boto()[1].utils.determine_content_length(params["body"])
+        if size is not None and size < EXPECT_MIN:
+            del headers["Expect"]
 
 
 def _timestamp(value):
@@ -100,9 +122,14 @@ class Bucket:
                         # only where the operation needs one (botocore 1.36 default "when_supported" sends
                         # CRC32 trailers that several S3-compatible servers reject)
                         request_checksum_calculation="when_required", response_checksum_validation="when_required",
+                        # the calls are this module's own; botocore's Config: "You can disable parameter
+                        # validation for performance reasons" (a twentieth of a record's client CPU)
+                        parameter_validation=False,
                     )
-                    self._client = session.client("s3", endpoint_url=self.options.endpoint,
-                                                  region_name=self.options.region, config=cfg)
+                    client = session.client("s3", endpoint_url=self.options.endpoint,
+                                            region_name=self.options.region, config=cfg)
+                    client.meta.events.register_last("before-call.s3", _expect_large_bodies)  # after botocore's
+                    self._client = client
                     self._pid = os.getpid()
         return self._client
 
@@ -151,26 +178,52 @@ class Bucket:
             raise
         return r["Body"].read(), r["ETag"]
 
-    def exists(self, key: str) -> bool:
+    def head(self, key: str) -> tuple[str, dict[str, str]] | None:
+        """The object's ETag and metadata (``x-amz-meta-*``, named in lower case); None when there is none."""
         try:
-            self._call(f"looking up {key}", self.client().head_object, Key=key)
+            r = self._call(f"looking up {key}", self.client().head_object, Key=key)
         except S3Error as exc:
             if exc.status == 404:
-                return False
+                return None
             raise
-        return True
+        return r["ETag"], r.get("Metadata", {})
 
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def _written(self, exc: S3Error, key: str, writer: str | None) -> str:
+        """The ETag of ``key`` when the conditional write refused with ``exc`` (412, or a completion's
+        404 ``NoSuchUpload``) was stored after all, by an earlier try of its own whose answer was
+        lost: the object carries ``writer``. Otherwise ``exc`` is raised (another writer's object)."""
+        refused = exc.status == 412 or exc.code == "NoSuchUpload"
+        got = self.head(key) if writer and refused else None
+        if got is None or got[1].get(WRITER) != writer:
+            raise exc
+        return got[0]
+
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None,
+            writer: str | None = None) -> str:
         """Store ``data`` at ``key``: its new ETag. ``if_none_match``: only if nothing is there;
-        ``if_match``: only if the object still has that ETag (412 ``S3Error`` otherwise)."""
+        ``if_match``: only if the object still has that ETag (412 ``S3Error`` otherwise). ``writer``:
+        a token unique to this write, the same on each try of it (409's too), stored with the object
+        so that a 412 answering a retry of this very write is told from another writer's."""
         cond = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match} if if_match else {}
-        return self._call(f"writing {key}", self.client().put_object, Key=key, Body=data, **cond)["ETag"]
+        meta = {"Metadata": {WRITER: writer}} if writer else {}
+        try:
+            return self._call(f"writing {key}", self.client().put_object, Key=key, Body=data, **cond, **meta)["ETag"]
+        except S3Error as exc:
+            return self._written(exc, key, writer)
 
-    def delete(self, key: str) -> None:
-        self._call(f"deleting {key}", self.client().delete_object, Key=key)
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        """Delete ``key``; with ``if_match`` only if it still has that ETag (412 otherwise, or 404 when
+        nothing is there: SeaweedFS answers 412, S3 404; user guide, "How to perform conditional deletes")."""
+        cond = {"IfMatch": if_match} if if_match else {}
+        self._call(f"deleting {key}", self.client().delete_object, Key=key, **cond)
 
-    def copy(self, src: str, dst: str) -> None:
-        self._call(f"copying {src}", self.client().copy_object, Key=dst, CopySource={"Bucket": self.bucket, "Key": src})
+    def copy(self, src: str, dst: str, *, if_match: str | None = None) -> None:
+        """Copy ``src`` to ``dst``; with ``if_match`` only if ``src`` still has that ETag (412 otherwise)."""
+        self._call(f"copying {src}", self.client().copy_object, Key=dst, CopySource={"Bucket": self.bucket, "Key": src},
+                   **({"CopySourceIfMatch": if_match} if if_match else {}))
 
     def _pages(self, prefix: str, delimiter: str | None = None) -> Iterator[dict]:
         """The listing's pages under ``prefix`` (1,000 keys a request), each token naming the next."""
@@ -227,7 +280,7 @@ class Bucket:
     MIN_PART = 5 << 20  # S3's least part size (all parts but the last)
 
     def put_file(self, key: str, fd: int, *, part_size: int | None = None,
-                 sealed: tuple[bytes, str] | None = None) -> str:
+                 sealed: tuple[bytes, str] | None = None, writer: str | None = None) -> str:
         """Store the file open on ``fd`` at ``key`` only if nothing is there: its ETag; a 412
         ``S3Error`` when another writer stored it first, 409 when one was storing it at that moment.
 
@@ -238,8 +291,11 @@ class Bucket:
         so no parts are left billed. Every body byte handed to a request counts in ``sent_bytes``.
         ``sealed`` (head, sha256 hex): the file must start with ``head`` and the bytes after it must
         hash to the digest, checked on the bytes sent before the object can become visible
-        (``OSError`` otherwise, nothing stored)."""
+        (``OSError`` otherwise, nothing stored). ``writer``: as ``put``'s, for the one PUT or the
+        completion (a retried ``CompleteMultipartUpload`` of an upload completed is refused 412, or
+        404 ``NoSuchUpload``)."""
         part = max(part_size or self.PART_SIZE, self.MIN_PART)
+        meta = {"Metadata": {WRITER: writer}} if writer else {}
         size = os.fstat(fd).st_size
         seal = _Seal(*sealed) if sealed else None
         if size <= part:
@@ -249,11 +305,14 @@ class Bucket:
                 seal.check(key)
             try:
                 return self._call(f"writing {key}", self.client().put_object, Key=key, Body=data,
-                                  IfNoneMatch="*")["ETag"]
+                                  IfNoneMatch="*", **meta)["ETag"]
+            except S3Error as exc:
+                return self._written(exc, key, writer)
             finally:
                 self._sent(len(data))
         client = self.client()
-        upload = self._call(f"starting an upload of {key}", client.create_multipart_upload, Key=key)["UploadId"]
+        upload = self._call(f"starting an upload of {key}", client.create_multipart_upload, Key=key,
+                            **meta)["UploadId"]
         try:
             parts = []
             for number, offset in enumerate(range(0, size, part), 1):
@@ -268,8 +327,11 @@ class Bucket:
                 parts.append({"PartNumber": number, "ETag": r["ETag"]})
             if seal:
                 seal.check(key)
-            return self._call(f"writing {key}", client.complete_multipart_upload, Key=key, UploadId=upload,
-                              MultipartUpload={"Parts": parts}, IfNoneMatch="*")["ETag"]
+            try:
+                return self._call(f"writing {key}", client.complete_multipart_upload, Key=key, UploadId=upload,
+                                  MultipartUpload={"Parts": parts}, IfNoneMatch="*")["ETag"]
+            except S3Error as exc:
+                return self._written(exc, key, writer)
         except BaseException:
             try:
                 self._call(f"aborting the upload of {key}", client.abort_multipart_upload, Key=key, UploadId=upload)
@@ -306,6 +368,26 @@ class Bucket:
                 return None
             raise
         return r["Body"], int(r["ContentLength"])
+
+    def abort_uploads(self, prefix: str, begun_before: float) -> int:
+        """Abort every multipart upload under ``prefix`` initiated before ``begun_before`` (a Unix
+        time; the parts of a writer killed mid-upload, billed until aborted): how many were."""
+        client, kw, aborted = self.client(), {"Prefix": prefix}, 0
+        while True:
+            page = self._call(f"listing the uploads under {prefix}", client.list_multipart_uploads, **kw)
+            for up in page.get("Uploads", ()):
+                if up["Initiated"].timestamp() >= begun_before:
+                    continue
+                try:
+                    self._call(f"aborting the upload of {up['Key']}", client.abort_multipart_upload, Key=up["Key"],
+                               UploadId=up["UploadId"])
+                    aborted += 1
+                except S3Error as exc:
+                    if exc.status != 404:  # NoSuchUpload: aborted meanwhile (another reconciler)
+                        raise
+            if not page.get("IsTruncated"):
+                return aborted
+            kw.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
 
     def list_sized(self, prefix: str) -> Iterator[tuple[str, int, float]]:
         """(key, size, last-modified time) of every object under ``prefix``."""

@@ -259,6 +259,11 @@ class Store(ABC):
         self.clear_failure(record.dataset, record.key)
         return True
 
+    def abort_stale_uploads(self) -> int:
+        """Abort uploads left by writers killed mid-way (a bucket's multipart uploads): how many.
+        A folder has none: a file is written whole, then linked."""
+        return 0
+
     @abstractmethod
     def set_aside(self, dataset: str, key: str) -> str | Path | None:
         """Move an unreadable record to ``_unreadable/`` so the key can be generated again; where

@@ -374,3 +374,87 @@ def test_a_unit_whose_engine_keeps_rewriting_its_file_fails_once_with_the_reason
     assert "failed" in failed and "changed after it was checked" in failed, failed
     assert not rt.hidden.has("ds", 1, task.key, 0)
     assert not list(storage.iterdir()), "the engine's files are left on local disk"
+
+
+@pytest.mark.parametrize("size, lost, part", [(3, "PUT", ".safetensors"),
+                                              (12 * MIB // (4 * 64 * 2) + 5, "POST", ".safetensors?uploadId=")],
+                         ids=["put", "multipart"])
+def test_a_unit_stored_whose_answer_was_lost_is_this_workers(s3_env, tmp_path, size, lost, part):
+    """The unit's conditional PUT (or the ``CompleteMultipartUpload`` of its parts) is stored, its
+    answer lost; botocore's retry gets 412. The upload is still this worker's (True: captured, not
+    "duplicate"), and another worker's upload of the unit afterwards is refused."""
+    from .test_s3_store import _Proxy, lose_first_answer
+
+    bucket, data, key = s3_env.bucket(), _unit(size), "dd" * 32
+    lose = lose_first_answer(lost, f"/v1/{key[:2]}/{key}.0{part}")
+    with _Proxy(s3_env, lose) as proxy:
+        store = open_store(f"s3://{bucket}/run1")
+        store.bucket.options = msgspec.structs.replace(store.bucket.options, endpoint=proxy.endpoint)
+        store.prepare()
+        hidden = open_hidden(store)
+        fd, twin = _fd(tmp_path, "mine", data), _fd(tmp_path, "twin", data)
+        try:
+            assert hidden.upload("ds", 1, key, 0, fd, part_size=5 * MIB)
+            assert lose.lost and lose.lost[0].startswith(f"/{bucket}/run1/_hidden/ds/v1/dd/{key}")
+            assert not hidden.upload("ds", 1, key, 0, twin, part_size=5 * MIB)
+        finally:
+            os.close(fd)
+            os.close(twin)
+    assert hidden.bucket.get(hidden.object_key("ds", 1, key, 0))[0] == data
+    assert s3_env.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+_KILLED_MID_UPLOAD = """
+import os, sys, threading
+from draftfleet.store import open_store
+from draftfleet.hidden import open_hidden
+
+hidden = open_hidden(open_store(sys.argv[1]))
+client = hidden.bucket.client()
+def part_sent(**_):  # the first part is in the bucket: say so, and wait for the kill
+    print("part", flush=True)
+    threading.Event().wait()
+client.meta.events.register("after-call.s3.UploadPart", part_sent)
+fd = os.open(sys.argv[2], os.O_RDONLY)
+hidden.upload("ds", 1, "ee" * 32, 0, fd, part_size=5 << 20)
+"""
+
+
+def test_an_upload_killed_mid_way_is_aborted_once_stale_and_a_live_one_is_kept(s3_env, tmp_path, monkeypatch,
+                                                                               redis_server):
+    """A capture worker killed -9 between two parts leaves a multipart upload: ``prepare`` (and
+    ``reconcile``) abort the fleet's uploads older than ``STALE_UPLOAD_S``, and leave a younger one
+    (a live worker's), and anything outside the fleet's prefix, alone."""
+    import subprocess
+    import sys
+
+    from draftfleet import objectstore
+
+    store = _store(s3_env)
+    bucket, client = store.bucket.bucket, s3_env.client()
+    path = tmp_path / "unit"
+    path.write_bytes(_unit(12 * MIB // (4 * 64 * 2) + 5))
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_MID_UPLOAD, store.location, str(path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "part\n"
+    finally:
+        proc.kill()
+        proc.wait()
+    (left,) = client.list_multipart_uploads(Bucket=bucket)["Uploads"]
+    assert left["Key"] == f"run1/_hidden/ds/v1/ee/{'ee' * 32}.0.safetensors"
+    other = client.create_multipart_upload(Bucket=bucket, Key="elsewhere/big.bin")["UploadId"]
+    monkeypatch.setattr(objectstore, "STALE_UPLOAD_S", 2.5)
+    time.sleep(3.5)  # the killed one is stale; the next is live
+    live = client.create_multipart_upload(Bucket=bucket, Key=store._key("_hidden", "ds", "v1", "ff", "x"))["UploadId"]
+    store.prepare()
+
+    def uploads():
+        return sorted(u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", ()))
+
+    assert uploads() == sorted([other, live])
+    time.sleep(3.5)  # the live one's worker is gone too: the reconciler's pass aborts it
+    from draftfleet.reconcile import Reconciler
+
+    Reconciler(store, redis_server.client()).reconcile_all()
+    assert uploads() == [other]

@@ -255,7 +255,11 @@ class _Forward(http.server.BaseHTTPRequestHandler):
     def _handle(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _RESIGNED}
-        status, out, data = self.server.change(self.command, self.path, headers, body, self.server.send)
+        answer = self.server.change(self.command, self.path, headers, body, self.server.send)
+        if answer is None:  # forwarded, and its answer lost: the connection closes unanswered
+            self.close_connection = True
+            return
+        status, out, data = answer
         self.send_response(status)
         for k, v in out:
             if k.lower() not in ("connection", "keep-alive", "transfer-encoding", "content-length"):
@@ -318,6 +322,23 @@ def _drop(name: str):
     return change
 
 
+def lose_first_answer(method: str, part: str):
+    """Forward every request; the first ``method`` whose path holds ``part`` reaches the server and
+    its answer is lost (the connection closes unanswered), so botocore sends it again. ``lost``
+    lists the paths whose answer was lost."""
+    lost: list[str] = []
+
+    def change(m, path, headers, body, send):
+        answer = send(m, path, headers, body)
+        if not lost and m == method and part in path:
+            lost.append(path)
+            return None
+        return answer
+
+    change.lost = lost
+    return change
+
+
 def _check_then_write(method, path, headers, body, send):
     """If-None-Match as a server without an atomic create does it: look, then write."""
     if method != "PUT" or not any(k.lower() == "if-none-match" for k in headers):
@@ -341,6 +362,46 @@ def test_a_bucket_that_ignores_if_match_is_refused(s3_env):
     assert [o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket).get("Contents", ())] == ["y/.draftfleet-store"]
 
 
+def _strip(method: str, prefix: str):
+    """Headers starting with ``prefix`` removed from each ``method`` request: a server that ignores them."""
+    def change(m, path, headers, body, send):
+        if m == method:
+            headers = {k: v for k, v in headers.items() if not k.lower().startswith(prefix)}
+        return send(m, path, headers, body)
+
+    return change
+
+
+def test_a_bucket_that_drops_metadata_is_refused(s3_env):
+    """Without the write's token on the object a lost answer's 412 cannot be told from a twin's."""
+    bucket = s3_env.bucket()
+    with _Proxy(s3_env, _strip("PUT", "x-amz-meta-")) as proxy:
+        text = _error(f"s3://{bucket}/x", StoreS3Section(endpoint=proxy.endpoint))
+    assert text == (f"refusing store s3://{bucket}/x: the bucket drops an object's metadata (x-amz-meta-*), so a "
+                    f"record whose answer was lost would be taken for another writer's; use a bucket or server with "
+                    f"conditional writes (ops/scaling.md)")
+    assert s3_env.client().list_objects_v2(Bucket=bucket).get("Contents", []) == []  # probes cleaned up
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["probed-by-prepare", "probed-by-set-aside"])
+def test_a_bucket_whose_delete_ignores_if_match_keeps_an_unreadable_record_in_place(s3_env, prepared):
+    """Setting aside needs a conditional DELETE; where the bucket ignores it (probed by ``prepare``, or
+    by the first ``set_aside`` of a process that did not prepare) the record stays, nothing is copied."""
+    bucket = s3_env.bucket()
+    with _Proxy(s3_env, _strip("DELETE", "if-match")) as proxy:
+        options = StoreS3Section(endpoint=proxy.endpoint)
+        ObjectStore(f"s3://{bucket}/x", options).prepare()
+        store = ObjectStore(f"s3://{bucket}/x", options)
+        if prepared:
+            store.prepare()
+        key = "cd" * 32
+        store.bucket.put(store._record_key("ds", key), b"")
+        assert store.set_aside("ds", key) is None
+        assert store.record_bytes("ds", key) == b""
+    keys = [o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket)["Contents"]]
+    assert keys == ["x/.draftfleet-store", f"x/ds/cd/{key}.json"]  # no probe, no copy aside
+
+
 def test_a_bucket_that_checks_then_writes_is_refused(s3_env):
     """If-None-Match answered right one writer at a time, wrong for writers at once."""
     bucket = s3_env.bucket()
@@ -350,6 +411,65 @@ def test_a_bucket_that_checks_then_writes_is_refused(s3_env):
                     f"succeed (it checks, then writes), so two workers could both store one prompt; use a bucket or "
                     f"server with conditional writes (ops/scaling.md)")
     assert s3_env.client().list_objects_v2(Bucket=bucket).get("Contents", []) == []  # probes cleaned up
+
+
+def test_a_record_stored_whose_answer_was_lost_is_this_writers(s3_env):
+    """The record's conditional PUT is stored, its answer lost; botocore's retry gets 412. The record
+    is still this call's (True: the worker counts it once and charges no twin's cost), and a twin's
+    PUT of the key afterwards is still refused (False)."""
+    bucket = s3_env.bucket()
+    key = "ab" * 32
+    lose = lose_first_answer("PUT", f"/ds/{key[:2]}/")
+    with _Proxy(s3_env, lose) as proxy:
+        store = ObjectStore(f"s3://{bucket}/x", StoreS3Section(endpoint=proxy.endpoint))
+        store.prepare()
+        assert store.put(_record(key, text="mine"))
+        assert lose.lost == [f"/{bucket}/x/ds/ab/{key}.json"]
+        assert not store.put(_record(key, text="twin"))
+    assert store.get("ds", key).text == "mine"
+
+
+def test_a_record_costs_one_request(s3_env, redis_server):
+    """``Store.put`` in a bucket is the conditional PUT alone (bench store: client CPU is per request);
+    a twin's costs one HEAD more, to tell its 412 from a lost answer's. The failure record it leaves
+    is never listed, and the reconciler deletes it."""
+    from draftfleet.reconcile import Reconciler
+
+    store = _store(s3_env)
+    sent = []
+    store.bucket.client().meta.events.register("before-send.s3", lambda **kw: sent.append(kw["request"].method))
+    store.put_failure(_failure("ab" * 32))
+    sent.clear()
+    assert store.put(_record("ab" * 32))
+    assert sent == ["PUT"]
+    sent.clear()
+    assert not store.put(_record("ab" * 32, text="twin"))
+    assert sent == ["PUT", "HEAD"]
+    assert store.failures("ds") == []  # its failure is finished: a stored key's is never listed
+    Reconciler(store, redis_server.client()).reconcile_all()
+    assert list(store.bucket.list(store._key("_failures", ""))) == []
+
+
+def test_set_aside_never_deletes_a_record_written_after_its_copy(s3_env):
+    """Two callers set one unreadable record aside (a claim lost mid-way): the second moves it and a
+    good record is stored before the first deletes what it copied. The first's delete is conditional
+    on the ETag it copied: the good record stays, and the first says it moved nothing."""
+    a = _store(s3_env)
+    b = open_store(a.location)
+    key = "cd" * 32
+    a.bucket.put(a._record_key("ds", key), b"")  # an empty record file: unreadable
+    copy = a.bucket.copy
+
+    def copy_then_b_moves_and_stores(*args, **kw):
+        copy(*args, **kw)
+        assert b.set_aside("ds", key) is not None
+        assert b.put(_record(key, text="good"))
+
+    a.bucket.copy = copy_then_b_moves_and_stores
+    assert a.set_aside("ds", key) is None
+    assert a.get("ds", key).text == "good"
+    aside = list(a.bucket.list(a._key("_unreadable", "ds", "")))
+    assert len(aside) == 1 and a.bucket.get(aside[0])[0] == b""  # b's copy; a's removed again
 
 
 def test_store_location_errors_before_any_request():
