@@ -34,10 +34,17 @@ def default_folder() -> Path:
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "draftfleet" / "s3"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(names) -> dict[str, int]:
+    """A free loopback port for each name, all distinct: each socket stays bound until all are
+    picked (a port closed at once can be handed out again at the next bind)."""
+    socks = [socket.socket() for _ in names]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return {name: s.getsockname()[1] for name, s in zip(names, socks)}
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -76,7 +83,7 @@ class SeaweedFS:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.ports = {name: _free_port() for name in PORTS}
+        self.ports = _free_ports(PORTS)
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
         self.detached = False
@@ -134,7 +141,7 @@ class SeaweedFS:
         while not self._ready():
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"SeaweedFS did not start in {timeout:.0f}s: {self.log()[-2000:]}")
+                raise StoreError(f"SeaweedFS did not answer in {timeout:.0f}s; its log: {self.folder / 'weed.log'}")
             time.sleep(0.2)
         self.pid = self.proc.pid
         if self.detached:
@@ -164,7 +171,8 @@ class SeaweedFS:
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"weed exited: {self.log()[-2000:]}")
+            fatal = [line for line in self.log().splitlines() if line[:1] == "F" and line[1:5].isdigit()]
+            raise StoreError(f"weed exited ({fatal[0] if fatal else 'no fatal line'}); its log: {self.folder / 'weed.log'}")
         try:
             self.client().list_buckets()
             return True
