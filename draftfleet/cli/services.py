@@ -11,9 +11,11 @@ from draftfleet.cli.common import add_common, config, config_or_store, err, out
 
 
 def cmd_redis(args) -> int:
-    from draftfleet.broker import STATE_DIR, EmbeddedRedis, redact
+    from draftfleet.broker import STATE_DIR, BrokerError, EmbeddedRedis, no_embedded, redact
 
     _cfg, root = config_or_store(args)
+    if str(root).startswith("s3://"):
+        raise BrokerError(no_embedded(root))
     emb = EmbeddedRedis(Path(root) / STATE_DIR)
     if args.action == "start":
         print(redact(emb.ensure()))
