@@ -19,6 +19,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from draftfleet.store import StoreError
@@ -175,9 +176,14 @@ class SeaweedFS:
             raise StoreError(f"weed exited ({fatal[0] if fatal else 'no fatal line'}); its log: {self.folder / 'weed.log'}")
         try:
             self.client().list_buckets()
-            return True
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['master']}/dir/status", timeout=5) as answer:
+                topology = json.load(answer)["Topology"]
         except Exception:  # noqa: BLE001 - not up yet (refused, 403 while its identities load, 5xx)
             return False
+        # S3 answers before the volume server has told the master its volumes: until then a read of
+        # an object stored before a restart fails with 500
+        nodes = [n for dc in topology.get("DataCenters") or [] for rack in dc["Racks"] for n in rack["DataNodes"]]
+        return bool(nodes) and sum(n["Volumes"] for n in nodes) >= len(list((self.folder / "data").glob("*.dat")))
 
     def bucket(self) -> str:
         """A new empty bucket."""
