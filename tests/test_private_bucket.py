@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def _machine(tmp_path: Path) -> dict[str, str]:
     """A fresh user's environment: the venv's scripts on PATH, a HOME of its own, no AWS_* or Redis."""
-    (tmp_path / "tmp").mkdir(exist_ok=True)
+    (tmp_path / "tmp").mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "REDIS_", "DRAFTFLEET_"))}
     return {**env, "HOME": str(tmp_path), "TMPDIR": str(tmp_path / "tmp"), "XDG_DATA_HOME": str(tmp_path / "share"),
             "PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "COLUMNS": "200"}
