@@ -32,6 +32,10 @@ def cmd_redis(args) -> int:
 
 
 def cmd_s3(args) -> int:
+    """A bucket to try without Docker, on the road of ``draftfleet redis``: one private SeaweedFS per
+    folder, found again by its pid; only ``env`` prints the secret key, for ``eval``."""
+    from rich.markup import escape
+
     from draftfleet.devtools.seaweedfs import IDENTITY_FILE, SeaweedFS, default_folder
     from draftfleet.objectstore import parse_location
 
@@ -44,7 +48,7 @@ def cmd_s3(args) -> int:
     running = server.running()
     if args.action == "env":
         if not running:
-            err.print(f"[red]not running[/]: draftfleet s3 start{_dir_flag(args)}", highlight=False)
+            err.print(f"[red]not running[/]: draftfleet s3 start{escape(_dir_flag(args))}", highlight=False)
             return 1
         # the one place the secret key is printed: what `eval "$(draftfleet s3 env)"` is for
         env = server.env()
@@ -58,9 +62,9 @@ def cmd_s3(args) -> int:
                           "bucket_made": made, "started": not running, "identity": str(server.folder / IDENTITY_FILE)}))
         return 0
     out.print(f"SeaweedFS {'started' if not running else 'running'} at {server.endpoint} (pid {server.pid}), its data in "
-              f"{server.folder}; bucket [bold]{bucket}[/] {'made' if made else 'is there'}; its keys in "
-              f"{server.folder / IDENTITY_FILE} (0600)\nnext: eval \"$(draftfleet s3 env{_dir_flag(args)})\", then "
-              f"--store s3://{bucket}/PREFIX; draftfleet s3 stop{_dir_flag(args)} when done", highlight=False)
+              f"{escape(str(server.folder))}; bucket [bold]{bucket}[/] {'made' if made else 'is there'}; its keys in "
+              f"{escape(str(server.folder / IDENTITY_FILE))} (0600)\nnext: eval \"$(draftfleet s3 env{escape(_dir_flag(args))})\", then "
+              f"--store s3://{bucket}/PREFIX; draftfleet s3 stop{escape(_dir_flag(args))} when done", highlight=False)
     return 0
 
 

@@ -5,7 +5,9 @@ conditional writes (``If-None-Match: *`` answers 412 to a second PUT; ``If-Match
 Two uses of one launcher: ``SeaweedFS(folder)`` is the tests' and benchmarks' (fixed keys, a child
 of the caller); ``SeaweedFS.private(folder)`` is ``draftfleet s3`` and the demo's, a bucket to try
 without Docker (keys generated once into a 0600 identity file, detached so that it outlives the
-command that started it, found again and stopped by the pid it records)."""
+command that started it, found again and stopped by the pid it records). The keys guard the S3
+port only: its master, volume and filer ports on loopback take none (any local account reaches them).
+"""
 
 from __future__ import annotations
 
