@@ -247,6 +247,12 @@ def client_name() -> str:
     return f"draftfleet-{os.getpid()}"
 
 
+def no_embedded(store: str) -> str:
+    """Why a store in a bucket gets no embedded Redis (it lives in a store folder)."""
+    return (f"a store in a bucket ({store}) has no embedded Redis: the machines that share the bucket share one "
+            "Redis; pass --redis-url, set REDIS_URL or [fleet].redis_url")
+
+
 def resolve_redis_url(explicit: str | None, configured: str | None, store: str | Path | None) -> str:
     """The Redis URL to use; starts the store's embedded server when nothing else is given."""
     for url, where in ((explicit, "--redis-url"), (os.environ.get("REDIS_URL"), "REDIS_URL"),
@@ -256,8 +262,7 @@ def resolve_redis_url(explicit: str | None, configured: str | None, store: str |
     if store is None:
         raise BrokerError("no Redis: pass --redis-url, set REDIS_URL, or give a store for the embedded server")
     if str(store).startswith("s3://"):
-        raise BrokerError(f"a store in a bucket ({store}) has no embedded Redis: the machines that share the "
-                          "bucket share one Redis; pass --redis-url, set REDIS_URL or [fleet].redis_url")
+        raise BrokerError(no_embedded(store))
     emb = EmbeddedRedis(Path(store) / STATE_DIR)
     if emb.running_url() is None:
         _started.append(emb)

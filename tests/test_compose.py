@@ -184,7 +184,10 @@ def test_s3_profile_wiring(compose, services):
     assert seaweedfs["ports"] == [f"${{S3_BIND:-127.0.0.1}}:{port}:{port}"]
     assert any(v == "seaweedfs-data:/data" for v in seaweedfs["volumes"]) and "seaweedfs-data" in compose["volumes"]
     assert bucket["restart"] == "no" and bucket["depends_on"] == {"seaweedfs": {"condition": "service_healthy"}}
-    assert bucket["command"] == ["-master=seaweedfs:9333"]
+    # weed shell's host:port.grpcport, the two ports `seaweedfs` is told to listen on (host:port alone
+    # would mean gRPC on port + 10000: a guess, and weed shell hangs silently where it is wrong)
+    master = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in seaweedfs["command"]}
+    assert bucket["command"] == [f"-master=seaweedfs:{master['-master.port']}.{master['-master.port.grpc']}"]
     assert bucket["environment"]["DRAFTFLEET_STORE"] == "${DRAFTFLEET_STORE:-}"
     # weed makes AWS_ACCESS_KEY_ID in its own environment an administrator: the keys reach it renamed
     assert {v for k, v in seaweedfs["environment"].items()} == {"${AWS_ACCESS_KEY_ID:-}", "${AWS_SECRET_ACCESS_KEY:-}"}
@@ -208,6 +211,16 @@ def _run_args(svc, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     argv = [sh, c, interpolate(script, env), name, *(interpolate(str(a), env) for a in svc["command"])]
     environ = {k: interpolate(str(v), env) for k, v in svc["environment"].items()}
     return argv, {"PATH": os.environ["PATH"], "HOME": env["HOME"], **environ}
+
+
+def _on_loopback(argv: list[str], ports: dict[str, str]) -> list[str]:
+    """``argv`` with the `seaweedfs` service's name and 0.0.0.0 as 127.0.0.1 and each of its ports
+    (``ports``: compose's to this machine's) mapped, in ``host:port`` and ``host:port.grpcport`` alike;
+    a port it does not listen on stays, and a client naming it finds nothing there."""
+    def one(arg: str) -> str:
+        arg = re.sub(r"\bseaweedfs(?=:)|(?<==)seaweedfs$|0\.0\.0\.0", "127.0.0.1", arg)
+        return re.sub(r"(?<=[=:.])(\d{4,5})\b", lambda m: ports.get(m.group(1), m.group(1)), arg)
+    return [argv[0], argv[1], argv[2], argv[3], *map(one, argv[4:])]
 
 
 def _kill_session(sid: int) -> None:
@@ -277,17 +290,19 @@ def test_seaweedfs_scripts_run_the_real_weed(services, tmp_path):
         assert res.returncode == 1 and "AWS_ACCESS_KEY_ID" in res.stderr, res
 
     env = {**base, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "DRAFTFLEET_STORE": "s3://fleet-data/run1"}
+    # compose's own commands, as its network would carry them to this machine: the service's name and
+    # 0.0.0.0 are loopback, each port it listens on is a free one here (the same in both services)
+    ports = {m.group(2): str(free_port()) for a in services["seaweedfs"]["command"]
+             if (m := re.fullmatch(r"-([a-z3]+\.port(?:\.grpc)?)=(\d+)", a))}
     argv, environ = _run_args(services["seaweedfs"], env)
-    ports = {f: free_port() for f in ("master.port", "volume.port", "filer.port", "s3.port")}
-    grpc = {f: free_port() for f in ports}
-    flags = [f"-{f}={p}" for f, p in ports.items()] + [f"-{f}.grpc={p}" for f, p in grpc.items()]
-    # weed's flags after compose's win (the last one counts): free ports and a folder here
-    argv += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={tmp_path / 'data'}", *flags, "-s3.port.iceberg=0",
-             "-s3.port.lance=0", f"-filer.localSocket={tmp_path / 'f.sock'}", f"-s3.localSocket={tmp_path / 's3.sock'}"]
+    argv = _on_loopback(argv, ports)
+    # after compose's flags (the last one counts): a folder here for the `seaweedfs-data` volume
+    argv += [f"-dir={tmp_path / 'data'}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+             f"-filer.localSocket={tmp_path / 'f.sock'}", f"-s3.localSocket={tmp_path / 's3.sock'}"]
     (tmp_path / "data").mkdir()
     log = open(tmp_path / "weed.log", "wb")
     proc = subprocess.Popen(argv, env=environ, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    endpoint = f"http://127.0.0.1:{ports[_s3_port(services)]}"
     try:
         def healthy() -> bool:  # the compose healthcheck's URL, unauthenticated
             assert proc.poll() is None, (tmp_path / "weed.log").read_text()[-3000:]
@@ -304,7 +319,7 @@ def test_seaweedfs_scripts_run_the_real_weed(services, tmp_path):
         assert conf.stat().st_mode & 0o777 == 0o600 and secret in conf.read_text()
 
         bucket_argv, bucket_env = _run_args(services["seaweedfs-bucket"], env)
-        bucket_argv += [f"-master=127.0.0.1:{ports['master.port']}.{grpc['master.port']}"]  # weed's host:port.grpc
+        bucket_argv = _on_loopback(bucket_argv, ports)  # its -master names ports `seaweedfs` listens on
         made = _run(bucket_argv, bucket_env, tmp_path, 60)
         assert made.returncode == 0 and "made bucket fleet-data" in made.stdout, made
         again = _run(bucket_argv, bucket_env, tmp_path, 60)
@@ -325,5 +340,6 @@ def test_seaweedfs_scripts_run_the_real_weed(services, tmp_path):
         _kill_session(proc.pid)
         proc.wait()
         log.close()
-        for f, p in grpc.items():  # `weed server` puts each gRPC socket in /tmp whatever it is told
-            Path(f"/tmp/seaweedfs-{f.split('.')[0]}-grpc-{p}.sock").unlink(missing_ok=True)
+        for p in ports.values():  # `weed server` puts each gRPC socket in /tmp whatever it is told
+            for sock in Path("/tmp").glob(f"seaweedfs-*-grpc-{p}.sock"):
+                sock.unlink(missing_ok=True)

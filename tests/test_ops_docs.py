@@ -16,6 +16,7 @@ from .conftest import REPO, parse_cli
 DOCS = sorted((REPO / "ops").glob("*.md"))
 BLOCK = re.compile(r"^[ \t]*```(?:bash|sh|shell|console)\n(.*?)^[ \t]*```", re.M | re.S)
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+REDIRECT = re.compile(r"^\d?>")
 
 
 def shell_commands(text: str) -> list[list[str]]:
@@ -26,6 +27,9 @@ def shell_commands(text: str) -> list[list[str]]:
             words = shlex.split(line, comments=True)
             while words and ENV_ASSIGNMENT.match(words[0]):
                 words.pop(0)
+            # the command ends where a redirection or `&` begins (`... > gpu.log 2>&1 &`)
+            ends = [i for i, w in enumerate(words) if w in ("&", "|", "&&", ";") or REDIRECT.match(w)]
+            words = words[:ends[0]] if ends else words
             if words:
                 commands.append(words)
     return commands

@@ -65,7 +65,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 
+def _local_only(args) -> str | None:
+    """The flag that was given an ``s3://`` URL although only ``--store`` may name a bucket: any other
+    path would otherwise become a local folder named ``s3:``."""
+    for dest, value in vars(args).items():
+        for v in value if isinstance(value, list) else [value]:
+            if dest != "store" and isinstance(v, str) and v.startswith("s3://"):
+                return f"{'--' + dest.replace('_', '-') if dest != 'path' else 'the input file'} {v}"
+    return None
+
+
 def _run(args) -> int:
+    bucket = _local_only(args)
+    if bucket:
+        err.print(f"[red]error[/]: {escape(bucket)}: a local path is needed here; only --store takes s3://",
+                  highlight=False)
+        return 2
     try:
         return args.func(args) or 0
     except ConfigError as exc:

@@ -80,7 +80,8 @@ def register(sub) -> None:
     sp.set_defaults(func=cmd_emulator)
 
     sp = sub.add_parser("demo", help="run the whole fleet on the emulator and the sample data (no GPU, no network)")
-    sp.add_argument("--store", help="keep the demo's store (and config) in this folder")
+    sp.add_argument("--store", help="keep the demo's store (and config) in this folder, or tell it on s3://BUCKET/PREFIX "
+                    "(the endpoint of AWS_ENDPOINT_URL, else the private SeaweedFS of draftfleet s3)")
     sp.add_argument("--timeout", type=float, default=110.0, help="seconds before the demo gives up (default 110)")
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
     sp.set_defaults(func=cmd_demo)

@@ -11,6 +11,11 @@ emulators standing in for a slow local SGLang server and a fast paid OpenRouter.
 4. The cloud finishes: ``chat`` closes at its budget, ``instruct`` runs out of prompts.
 5. The inventory check: responses and tokens per dataset and side, the validation, then the next
    command to type. Everything it started is stopped on the way out.
+
+``--store s3://BUCKET/PREFIX`` tells the same story with the store in a bucket: the user's endpoint
+when the environment names one (``AWS_ENDPOINT_URL``, or AWS credentials for S3 itself), else the
+private SeaweedFS of ``draftfleet s3`` (started for the run if it is not running, and its data kept,
+so the records stay in the bucket for ``draftfleet s3 start`` and an export).
 """
 
 from __future__ import annotations
@@ -64,9 +69,9 @@ def examples_dir() -> Path:
     return samples.build_examples(Path(tempfile.mkdtemp(prefix="draftfleet-examples-")))
 
 
-def write_demo_config(folder: Path, examples: Path, gpu_url: str, cloud_url: str) -> Path:
+def write_demo_config(folder: Path, examples: Path, gpu_url: str, cloud_url: str, store: str | None = None) -> Path:
     text = samples.EXAMPLE_CONFIG
-    text = text.replace('store = "store"', f'store = "{folder / "store"}"')
+    text = text.replace('store = "store"', f'store = "{store or folder / "store"}"')
     text = text.replace('tokenizer = "tokenizer"', f'tokenizer = "{examples / "tokenizer"}"')
     text = text.replace('path = "data/', f'path = "{examples / "data"}/')
     text = text.replace("budget_tokens = 200000", f"budget_tokens = {CHAT_BUDGET}", 1)  # chat's
@@ -95,6 +100,25 @@ class _Failed(Exception):
     pass
 
 
+def _bucket(location: str):
+    """Where the demo's bucket is, for the story, and the private SeaweedFS it started (to stop at the
+    end), if any: the user's endpoint when the environment gives one, else ``draftfleet s3``'s server."""
+    from draftfleet.devtools.seaweedfs import SeaweedFS, default_folder
+    from draftfleet.objectstore import parse_location
+
+    bucket, _prefix = parse_location(location)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint or os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE"):
+        return f"{location} at {endpoint or 'AWS S3'}", None
+    server = SeaweedFS.private(default_folder())
+    started = not server.running()
+    if started:
+        server.start()
+    server.make_bucket(bucket)
+    os.environ.update(server.env())  # the demo's own reads and its workers reach it like any bucket
+    return f"{location} on the private SeaweedFS of `draftfleet s3` ({server.folder})", server if started else None
+
+
 def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool = False) -> int:
     from draftfleet.devtools.emulator import Emulator, EmulatorConfig
     from draftfleet.producer.enqueue import enqueue_dataset
@@ -102,9 +126,11 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
 
     console = Console(stderr=as_json, highlight=False)
     started = time.monotonic()
-    keep = store is not None
+    in_bucket = store is not None and store.startswith("s3://")
+    keep = store is not None and not in_bucket  # a bucket keeps the records; the local folder goes
     folder = Path(store).resolve() if keep else Path(tempfile.mkdtemp(prefix="draftfleet-demo-"))
     folder.mkdir(parents=True, exist_ok=True)
+    where, seaweedfs = _bucket(store) if in_bucket else (None, None)
     examples = examples_dir()
     api_key = "demo-" + os.urandom(8).hex()
     common = dict(tokenizer=str(examples / "tokenizer"), model="demo/chatml-600", length="lognormal:90:0.6")
@@ -114,14 +140,15 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
                                     price_input_per_mtok=0.6, price_output_per_mtok=2.5))
     gpu.start()
     cloud.start()
-    cfg = load_config(write_demo_config(folder, examples, gpu.url, cloud.url))
-    redis_server = EmbeddedRedis(Path(cfg.fleet.store) / "_redis")
+    cfg = load_config(write_demo_config(folder, examples, gpu.url, cloud.url, store if in_bucket else None))
+    redis_server = EmbeddedRedis((folder / "redis" if in_bucket else Path(cfg.fleet.store)) / "_redis")
     procs: list[subprocess.Popen] = []
     logs = folder / "logs"
     logs.mkdir(exist_ok=True)
     names = [d.name for d in cfg.datasets]
     say = console.print
     report: dict = {}
+    told = False
     try:
         url = redis_server.ensure()
         r = connect(url)
@@ -136,7 +163,7 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
             procs.append(subprocess.Popen([*base, kind, "--config", str(folder / "fleet.toml"), *extra],
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
         say(f"[bold]draftfleet demo[/]: a private Redis, a slow local SGLang and a paid OpenRouter (both emulated), "
-            f"the sample datasets of {examples}")
+            f"the sample datasets of {examples}" + (f";\n   the store in the bucket {where}" if where else ""))
 
         def alive() -> None:
             dead = [p for p in procs if p.poll() is not None]
@@ -193,6 +220,7 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
             + "; ".join(f"{d.dataset} {'closed at its budget' if d.closed else 'done'}" for d in snap.datasets))
         report = {"plan": msgspec.to_builtins(plan), "pivot": msgspec.to_builtins(result),
                   "cloud": {"seconds": round(took, 1), "cost_usd": round(paid, 6)}}
+        told = True
     except _Failed as exc:
         console.print(f"[red]demo failed: {exc}; logs in {logs}[/]")
         return 1
@@ -201,8 +229,14 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
         gpu.stop()
         cloud.stop()
         redis_server.stop()
-    # 5. the inventory check
-    inventory = _inventory(cfg, st, {d.dataset: d.closed for d in snap.datasets})
+        if seaweedfs is not None and not told:
+            seaweedfs.stop()
+    # 5. the inventory check (a bucket's SeaweedFS that the demo started goes once it is read)
+    try:
+        inventory = _inventory(cfg, st, {d.dataset: d.closed for d in snap.datasets})
+    finally:
+        if seaweedfs is not None:
+            seaweedfs.stop()
     report["inventory"] = msgspec.to_builtins(inventory)
     report["rows"] = [{"dataset": row.dataset, "backend": side, "responses": n, "completion_tokens": t}
                       for row in inventory for side, (n, t) in sorted(row.by_side.items())]
@@ -218,7 +252,10 @@ def run_demo(store: str | None = None, timeout_s: float = 110.0, as_json: bool =
             for side, (n, t) in sorted(row.by_side.items()):
                 say(f"      {side}: {n} responses, {t:,} tokens")
         say(f"\nall of it in {time.monotonic() - started:.0f} s; nothing is left running.")
-        if keep:
+        if in_bucket:
+            again = 'draftfleet s3 start; eval "$(draftfleet s3 env)"; ' if seaweedfs else ""  # its server was stopped
+            say(f"next: {again}draftfleet export --store {store} --dataset chat -f sharegpt --out demo-export")
+        elif keep:
             say(f"next: draftfleet export --config {folder / 'fleet.toml'} --dataset chat -f sharegpt "
                 f"--out {folder / 'export'}")
         else:
@@ -256,7 +293,7 @@ def _inventory(cfg, store: Store, closed: dict[str, bool]) -> list[InventoryRow]
     from draftfleet.views.inventory import run_inventory
 
     rows = []
-    for inv in run_inventory(store.root, cfg, tokenizer=TargetTokenizer.from_config(cfg.fleet), processes=1):
+    for inv in run_inventory(cfg.fleet.store, cfg, tokenizer=TargetTokenizer.from_config(cfg.fleet), processes=1):
         v = inv.validation
         rows.append(InventoryRow(
             dataset=inv.dataset, responses=inv.responses, completion_tokens=inv.completion_tokens,
