@@ -29,7 +29,7 @@ import numpy as np
 
 from draftfleet.devtools.seaweedfs import SeaweedFS
 from draftfleet.hidden import encode_safetensors, open_hidden
-from draftfleet.objectstore import _RECORD_RE
+from draftfleet.store.bucket import RECORD_RE
 from draftfleet.schemas.records import Message, ResponseRecord, Usage
 from draftfleet.store import Store, open_store, write_once
 
@@ -76,7 +76,7 @@ def _fill_listing(store: Store, n: int) -> None:
             (folder / f"{key}.json").write_bytes(b"{}")
         return
     with ThreadPoolExecutor(32) as pool:
-        list(pool.map(lambda k: store.bucket.put(store._key("big", k[:2], f"{k}.json"), b"{}"), names))
+        list(pool.map(lambda k: store.bucket.put(store.object_name("big", k[:2], f"{k}.json"), b"{}"), names))
 
 
 def _capture_upload(store: Store, work: Path, files: int, mib: int) -> tuple[float, int, int]:
@@ -155,12 +155,12 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
             assert len(s.keys("big")) == listed
             list_s[name] = _best(lambda s=s: s.keys("big"), repeats)
         base = bucket._key("big", "")
-        serial = lambda b: [k for k in b.list(base) if _RECORD_RE.search(k)]  # noqa: E731
+        serial = lambda b: [k for k in b.list(base) if RECORD_RE.search(k)]  # noqa: E731
         assert sorted(serial(bucket.bucket)) == bucket.record_files("big")
         list_s["serial"] = _best(lambda: serial(bucket.bucket), repeats)
         pages = server.client().get_paginator("list_objects_v2")  # botocore's defaults: dateutil's timestamps
         list_s["before"] = _best(lambda: [o["Key"] for p in pages.paginate(Bucket=bucket.bucket_name, Prefix=base)
-                                          for o in p.get("Contents", ()) if _RECORD_RE.search(o["Key"])], repeats)
+                                          for o in p.get("Contents", ()) if RECORD_RE.search(o["Key"])], repeats)
         far = open_store(bucket.location)
         far.bucket.client().meta.events.register("before-send.s3", lambda **_: time.sleep(LATENCY_MS / 1e3))
         list_s["far sharded"] = _best(lambda: far.keys("big"), repeats)

@@ -69,6 +69,14 @@ def record_turns(rec: ResponseRecord) -> list[Turn]:
     return [Turn(prompt_ids=[], **answer_of(rec))]
 
 
+def turn_prompts(rec: ResponseRecord, tok) -> list[list[int]]:
+    """Each turn's prompt ids as the engine saw them: the ids a conversation's turn kept, or the
+    target template's render (``tok``, a ``TargetTokenizer``) of its history with the fleet's own
+    answers. The one place the token export and hidden-state capture take them from."""
+    turns = record_turns(rec)
+    return [t.prompt_ids or tok.prompt_ids(history(rec.messages, turns[:k])) for k, t in enumerate(turns)]
+
+
 def _total(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None

@@ -149,7 +149,7 @@ class Reconciler:
         unreadable: list[str] = []
         broken: set[str] = set()
         keys = self.store.keys(dataset)
-        for failure in self.store._failures(dataset):  # finished since (a bucket's put leaves it)
+        for failure in self.store.all_failures(dataset):  # finished since (a bucket's put leaves it)
             if failure.key in keys:
                 self.store.clear_failure(dataset, failure.key)
         records = self._read(dataset, keys, unreadable, broken)

@@ -9,7 +9,7 @@ usage, the original ``source``) is kept, so a raw export imports back as the sam
 A cut-off last line (the writer was killed mid-line) is reported and skipped; other bad lines go
 to the quarantine. Nothing already in the store is overwritten.
 
-The file is read as a JSONL dataset is (``readers.open_text``, ``readers.jsonl_lines``): a regular
+The file is read as a JSONL dataset is (``files.open_text``, ``readers.jsonl_lines``): a regular
 file only (a FIFO is a clear error, not a hang), plain or gzip/zstd-compressed, one line at a time,
 a line over ``IMPORT_LINE_BYTES`` (64 MiB, not a dataset's 4 MiB: one line holds a whole answer's
 ids and text) quarantined with its length and sha256, never held whole.
@@ -50,7 +50,8 @@ from draftfleet.schemas.records import (
 from draftfleet.store import Store
 from draftfleet.tokenizer import TargetTokenizer, TemplateError, TokenizerError
 from draftfleet.producer.enqueue import prompt_messages
-from draftfleet.producer.readers import Line, PromptRow, Rejection, jsonl_lines, open_text, parse_line, rejection
+from draftfleet.producer.files import open_text
+from draftfleet.producer.readers import Line, PromptRow, Rejection, jsonl_lines, parse_line, rejection
 
 FINISH_RULES = ("max-tokens", "end-of-turn")
 IMPORT_LINE_BYTES = 64 * 1024 * 1024

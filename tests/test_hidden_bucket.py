@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from draftfleet.hidden import CONVERSATION, HiddenStore, encode_safetensors, f32_to_bf16, open_hidden, read_safetensors
-from draftfleet.hidden_bucket import BucketHidden
-from draftfleet.s3 import Bucket
+from draftfleet.hidden.bucket import BucketHidden
+from draftfleet.store.s3 import Bucket
 from draftfleet.schemas.records import CaptureManifest
 from draftfleet.store import open_store
 
@@ -62,7 +62,7 @@ def test_a_file_goes_up_once_in_one_put_or_in_parts_and_a_second_writer_stores_n
             os.close(fd)
     for key, data in ((a, small), (b, large)):
         assert hidden.bucket.get(hidden.object_key("ds", 1, key, 0))[0] == data  # the first writer's bytes
-    stored = sum(size for _k, size, _t in hidden.bucket.list_sized(store._key("_hidden", "")))
+    stored = sum(size for _k, size, _t in hidden.bucket.list_sized(store.object_name("_hidden", "")))
     assert stored == len(small) + len(large)
     # bytes uploaded / bytes stored, the losers' uploads included: each file crossed twice, never more
     assert (hidden.bucket.sent_bytes - sent0) / stored == 2.0
@@ -186,7 +186,7 @@ def test_a_file_changed_after_its_check_is_not_stored(s3_env, tmp_path, t, chang
     through the header as the file has it (``head`` not given)."""
     import hashlib
 
-    from draftfleet.hidden import _header
+    from draftfleet.hidden import checked_header as _header
 
     hidden = open_hidden(_store(s3_env))
     data = _unit(t)
@@ -428,7 +428,7 @@ def test_an_upload_killed_mid_way_is_aborted_once_stale_and_a_live_one_is_kept(s
     import subprocess
     import sys
 
-    from draftfleet import objectstore
+    from draftfleet.store import bucket as objectstore
 
     store = _store(s3_env)
     bucket, client = store.bucket.bucket, s3_env.client()
@@ -446,7 +446,7 @@ def test_an_upload_killed_mid_way_is_aborted_once_stale_and_a_live_one_is_kept(s
     other = client.create_multipart_upload(Bucket=bucket, Key="elsewhere/big.bin")["UploadId"]
     monkeypatch.setattr(objectstore, "STALE_UPLOAD_S", 2.5)
     time.sleep(3.5)  # the killed one is stale; the next is live
-    live = client.create_multipart_upload(Bucket=bucket, Key=store._key("_hidden", "ds", "v1", "ff", "x"))["UploadId"]
+    live = client.create_multipart_upload(Bucket=bucket, Key=store.object_name("_hidden", "ds", "v1", "ff", "x"))["UploadId"]
     store.prepare()
 
     def uploads():

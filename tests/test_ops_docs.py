@@ -146,4 +146,4 @@ def test_bucket_section_names_the_real_settings():
     (extra,) = re.findall(r"pip install 'draftfleet\[(\w+)\]'", section)
     assert any(d.startswith("boto3") for d in extras[extra]), extras[extra]
     (refusal,) = re.findall(r"\(`(the bucket ignores If-None-Match) \.\.\.`\)", section)
-    assert refusal in (REPO / "draftfleet" / "objectstore.py").read_text()
+    assert refusal in (REPO / "draftfleet" / "store" / "bucket.py").read_text()

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from draftfleet.objectstore import ObjectStore
+from draftfleet.store.bucket import ObjectStore
 from draftfleet.schemas.config import StoreS3Section
 from draftfleet.schemas.records import (
     DatasetEvent,
@@ -134,7 +134,7 @@ def test_a_sharded_listing_is_the_serial_one(s3_env):
     store = _store(s3_env)
     rng = random.Random(25)
     keys = [f"ab{rng.getrandbits(248):062x}" for _ in range(1020)] + [f"{rng.getrandbits(256):064x}" for _ in range(480)]
-    base = store._key("ds", "")
+    base = store.object_name("ds", "")
     names = [f"{base}{k[:2]}/{k}.json" for k in keys] + [f"{base}manifest.json", f"{base}abc/x.json", f"{base}zz/y.json",
                                                           f"{base}ab", f"{base}0/z.json"]
     with ThreadPoolExecutor(32) as pool:
@@ -147,11 +147,11 @@ def test_a_sharded_listing_is_the_serial_one(s3_env):
                        and n[len(base):len(base) + 2] in {f"{i:02x}" for i in range(256)}]
     assert store.keys("ds") == set(keys)
     assert [(k, size) for k, size, _mtime in store.bucket.list_sharded(base, sized=True)] == [(k, 2) for k in sharded]
-    few = store._key("few", "")
+    few = store.object_name("few", "")
     for n in ("manifest.json", "00/a.json", "ff/b.json", "zz/c.json"):
         store.bucket.put(few + n, b"{}")
     assert store.bucket.list_sharded(few) == [few + "00/a.json", few + "ff/b.json"]
-    assert store.bucket.list_sharded(store._key("none", "")) == []
+    assert store.bucket.list_sharded(store.object_name("none", "")) == []
 
 
 def test_prepare_refuses_a_prefix_of_someone_elses(s3_env):
@@ -447,7 +447,7 @@ def test_a_record_costs_one_request(s3_env, redis_server):
     assert sent == ["PUT", "HEAD"]
     assert store.failures("ds") == []  # its failure is finished: a stored key's is never listed
     Reconciler(store, redis_server.client()).reconcile_all()
-    assert list(store.bucket.list(store._key("_failures", ""))) == []
+    assert list(store.bucket.list(store.object_name("_failures", ""))) == []
 
 
 def test_set_aside_never_deletes_a_record_written_after_its_copy(s3_env):

@@ -465,7 +465,7 @@ def test_a_write_into_a_stored_file_by_the_engines_open_descriptor_is_caught_by_
     import numpy as np
 
     from draftfleet.export import features
-    from draftfleet.hidden import HEADER_ROOM, SEAL_KEY, HiddenStore, _header, encode_safetensors, read_safetensors
+    from draftfleet.hidden import HEADER_ROOM, SEAL_KEY, HiddenStore, checked_header as _header, encode_safetensors, read_safetensors
     from draftfleet.schemas.records import CaptureTask
     from draftfleet.workers import capture
 

@@ -58,6 +58,7 @@ from draftfleet.workers.consumer import dead_letter
 
 log = logging.getLogger("draftfleet.capture")
 
+
 class CaptureRuntime:
     """Per-process state of a capture worker."""
 
@@ -119,12 +120,15 @@ class CaptureRuntime:
 
 _runtime: CaptureRuntime | None = None
 
+
 def install(rt: CaptureRuntime) -> None:
     global _runtime
     _runtime = rt
 
+
 def _queue(task_self) -> str:
     return (task_self.request.delivery_info or {}).get("routing_key", "?")
+
 
 def _event(rt: CaptureRuntime, dataset: str, field: str, tokens: int = 0) -> None:
     try:
@@ -135,6 +139,7 @@ def _event(rt: CaptureRuntime, dataset: str, field: str, tokens: int = 0) -> Non
             pipe.execute()
     except redis.RedisError:
         pass  # progress only: the store is the truth
+
 
 def execute(task_self, payload: object) -> str:
     """Body of the Celery task; returns what happened (``stored``, ``duplicate``, ``failed``...)."""
@@ -184,6 +189,7 @@ def execute(task_self, payload: object) -> str:
     finally:
         rt.release(task, token)
 
+
 def _unit_ids(rt: CaptureRuntime, task: CaptureTask, record: ResponseRecord) -> tuple[list[int], Spans] | str:
     """The ids to send for the task's unit and its answers' spans in them; why not (a string) when the
     record has no such unit: then it is dead-lettered, never captured from a guess."""
@@ -199,6 +205,7 @@ def _unit_ids(rt: CaptureRuntime, task: CaptureTask, record: ResponseRecord) -> 
         return f"record {task.key} has no turn {task.turn}"
     ids, prompt_len = units[task.turn]
     return ids, [(prompt_len, len(ids))]
+
 
 def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: list[int], spans: Spans,
              source: str) -> str:
@@ -272,6 +279,7 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
     log.info("captured %s %s turn %s: %d tokens", task.dataset, source, turn_name(task.turn), len(ids))
     return "stored"
 
+
 def _before_retry(rt: CaptureRuntime, task: CaptureTask, attempt: int, exc: Transient) -> None:
     """Say why an attempt failed and wait out its backoff, unless it was the last."""
     if attempt < rt.cfg.fleet.max_attempts:
@@ -279,6 +287,7 @@ def _before_retry(rt: CaptureRuntime, task: CaptureTask, attempt: int, exc: Tran
         log.warning("capture %s/%s turn %s: %s; retry %d in %.1fs", task.dataset, task.key, turn_name(task.turn),
                     exc, attempt, delay)
         time.sleep(delay)
+
 
 def register(app: Celery) -> None:
     """Register the capture task on ``app`` (acks late; a lost worker's message goes back to the queue)."""
@@ -296,6 +305,7 @@ def register(app: Celery) -> None:
                       INFRA_RETRY_S)
             time.sleep(INFRA_RETRY_S)
             raise Reject(f"{type(exc).__name__}: {exc}", requeue=True) from None
+
 
 def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[int] | None = None,
                        slots: int | None = None, datasets: list[str] | None = None, redis_url: str | None = None,

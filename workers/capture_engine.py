@@ -37,6 +37,7 @@ log = logging.getLogger("draftfleet.capture")
 
 INFRA_RETRY_S = 5.0
 
+
 def engine_args(layer_ids: list[int], storage_path: str, dtype: str = "bf16") -> list[str]:
     """The ``vllm serve`` flags of a capture server: the extraction method asked for the layer
     ids, and the fleet's connector writing under ``storage_path`` in ``dtype`` (``bf16``, ``fp8``)."""
@@ -47,6 +48,7 @@ def engine_args(layer_ids: list[int], storage_path: str, dtype: str = "bf16") ->
                                         "header_room": HEADER_ROOM}}
     # No prefix caching: every state of a request is computed for it, none taken from an earlier one.
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
+
 
 def connector_folder(parent: str | None = None) -> str:
     """A folder of this user's alone to put first on the engine's ``PYTHONPATH``: it holds only
@@ -72,6 +74,7 @@ def connector_folder(parent: str | None = None) -> str:
         remove_connector_folder(folder)
         raise
     return folder
+
 
 def lasting_connector_folder() -> str:
     """The connector folder for a server started by hand (``--print-engine-command``): one per user
@@ -100,13 +103,16 @@ def lasting_connector_folder() -> str:
         return lasting_connector_folder()
     return str(final)
 
+
 def _write_private(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
 
+
 def remove_connector_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+
 
 def capture_server(launch: VLLMLaunch, gpus: list[int], port: int, layer_ids: list[int], storage_path: str,
                    connector: str, env: dict[str, str] | None = None, log_path: str | Path | None = None,
@@ -125,6 +131,7 @@ def capture_server(launch: VLLMLaunch, gpus: list[int], port: int, layer_ids: li
 SETTINGS_HALTS = frozenset({"engine_contract", "hidden_states_shape", "hidden_states_dtype", "hidden_states_scales"})
 
 SETTINGS_PAUSE_MAX_S = 60.0
+
 
 class EngineGate:
     """The worker's pause while its engine's files carry other settings than the version's (an engine
@@ -176,6 +183,7 @@ class EngineGate:
                 self._probing = False
             self._cond.notify_all()
 
+
 def engine_folder(cfg: FleetConfig, label: str) -> Path:
     """The folder a launched server writes in, one per host and GPU set (``<storage>/<label>@<host>``:
     hosts sharing a store never share it), swept of what a killed predecessor's engine wrote there
@@ -187,6 +195,7 @@ def engine_folder(cfg: FleetConfig, label: str) -> Path:
     make_dirs(storage)
     sweep_orphans(storage, 0)
     return storage
+
 
 def check_engine(client: CaptureClient, want: EngineContract) -> None:
     """Refuse to start (CaptureError) against an engine whose files carry no contract or another
@@ -204,6 +213,7 @@ def check_engine(client: CaptureClient, want: EngineContract) -> None:
             got.discard()
     except (Halt, Permanent, Transient) as exc:
         raise CaptureError(f"{client.endpoint} is not a capture engine this worker can use: {exc}") from None
+
 
 def engine_command(cfg: FleetConfig) -> str:
     """The ``vllm serve`` command line of a capture server started by hand for ``cfg`` (``worker

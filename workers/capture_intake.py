@@ -9,7 +9,7 @@ the upload to a bucket, removing the engine's name) acts on the descriptors that
 sent, from an engine whose contract (the connector's configuration, written into each file) is the
 version's, at its layers, hidden size and dtype, with only finite values. A stored file crosses
 the disk once: linked into a folder store, or uploaded once from its descriptor with
-``If-None-Match: *`` to a bucket (``hidden_bucket.py``: 412, another worker stored the unit, is a lost
+``If-None-Match: *`` to a bucket (``hidden/bucket.py``: 412, another worker stored the unit, is a lost
 link). What killed workers leave in the engine's folder is swept (:func:`sweep_orphans`).
 """
 
@@ -51,6 +51,7 @@ _contract_decoder = msgspec.json.Decoder(EngineContract)
 # An engine file this old whose lock nobody holds was left by a killed worker (a live one takes its
 # file within moments of the answer): removed by the beat.
 ORPHAN_S = float(os.environ.get("DRAFTFLEET_CAPTURE_ORPHAN_S", "600"))
+
 
 class EngineFile:
     """One engine file as it was checked, and every step after the check acts on it: the storage
@@ -97,6 +98,7 @@ class EngineFile:
             os.close(self.dir_fd)
             self.fd = self.dir_fd = -1
 
+
 class Captured(NamedTuple):
     """One engine file: its ids, the states' dtype (the manifest's name) and bits, fp8's scales, the
     connector's contract, the file as read (its header and the digest of its data: what is sealed)
@@ -116,6 +118,7 @@ class Captured(NamedTuple):
             self.file.discard()
 
 _FILE_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
+
 
 class CaptureClient(VLLMClient):
     """A vLLM capture server: ids in, the path of their hidden states out, then the file read.
@@ -150,6 +153,7 @@ class CaptureClient(VLLMClient):
                        "refused, nothing read or deleted") from None
         return _read_engine_file(dir_fd, name, os.path.join(folder, name))
 
+
 def _open_inside(root: str, folder: str) -> int:
     """A descriptor of ``folder`` (a real path inside ``root``), opened from ``root`` one name at a
     time without following a link: a folder swapped for a link since it was resolved is refused."""
@@ -164,12 +168,14 @@ def _open_inside(root: str, folder: str) -> int:
         raise
     return fd
 
+
 def _unlink(dir_fd: int, name: str) -> None:
     for n in (name, name + ".lock"):
         try:
             os.unlink(n, dir_fd=dir_fd)  # never follows a link: removes the entry, in this folder
         except OSError:
             pass
+
 
 def _inside(path: str, storage: Path) -> tuple[str, str, str]:
     """(real storage folder, real folder, file name) of an engine's file, refused (Halt, nothing
@@ -183,6 +189,7 @@ def _inside(path: str, storage: Path) -> tuple[str, str, str]:
                    f"{root} ([capture] storage_path): refused, nothing read or deleted; start the engine with "
                    "that folder as its shared_storage_path")
     return root, os.path.dirname(real), os.path.basename(real)
+
 
 def _read_engine_file(dir_fd: int, name: str, path: str) -> Captured:
     """Wait for the connector to finish the file, open it in ``dir_fd`` (which the result then
@@ -240,12 +247,14 @@ def _read_engine_file(dir_fd: int, name: str, path: str) -> Captured:
             os.close(dir_fd)
         raise
 
+
 def not_ours(path: str, exc: OSError) -> Permanent:
     """The engine's file cannot be made the store's (written, made read-only): the engine runs as
     another user. Every unit would meet it, so it is a failure, never a retry (issue 26)."""
     return Permanent("hidden_states_not_ours", f"{path}: {exc.strerror or exc}: the engine's files are not this "
                      f"worker's (uid {os.geteuid()}) to seal and make read-only; run the engine as the worker's "
                      "user (or the worker as the engine's)")
+
 
 def _contract(meta: dict[str, str], path: str) -> EngineContract | None:
     raw = meta.get(CONTRACT_KEY)
@@ -255,6 +264,7 @@ def _contract(meta: dict[str, str], path: str) -> EngineContract | None:
         return _contract_decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise Transient("hidden_states_unreadable", f"{path}: its {CONTRACT_KEY} metadata: {exc}") from None
+
 
 def wanted_contract(m: CaptureManifest | None = None, *, model: TargetModel | None = None,
                     layer_ids: list[int] | None = None, dtype: str = "bfloat16") -> EngineContract:
@@ -266,9 +276,11 @@ def wanted_contract(m: CaptureManifest | None = None, *, model: TargetModel | No
     return EngineContract(layer_ids=layer_ids, hidden_size=model.hidden_size, num_layers=model.num_layers,
                           dtype=dtype, model=model.path, model_config_sha256=model.config_sha256)
 
+
 def _describe(c: EngineContract) -> str:
     return (f"layers {c.layer_ids} (hidden {c.hidden_size}, {c.num_layers} layers, {c.dtype}, model config "
             f"{c.model_config_sha256[:12] or 'unknown'})")
+
 
 def check_contract(got: EngineContract | None, want: EngineContract, path: str, wanted_by: str) -> None:
     """Refuse (Halt: the engine's fault, the unit stays queued) a file whose engine was configured
@@ -280,6 +292,7 @@ def check_contract(got: EngineContract | None, want: EngineContract, path: str, 
             (want.layer_ids, want.hidden_size, want.num_layers, want.dtype, want.model_config_sha256):
         raise Halt("engine_contract", f"the engine computed {_describe(got)}, {wanted_by} wants {_describe(want)}: "
                    "nothing stored; start the engine with the version's layers and model")
+
 
 def check_states(ids: list[int], got: Captured, m: CaptureManifest) -> None:
     """Refuse anything but the states of exactly ``ids`` from an engine configured as the version
@@ -304,6 +317,7 @@ def check_states(ids: list[int], got: Captured, m: CaptureManifest) -> None:
             raise Permanent("hidden_states_not_finite", "the captured states hold NaN or a bad scale")
     elif ((got.states & 0x7F80) == 0x7F80).any():  # bf16 exponent all ones: inf or NaN
         raise Permanent("hidden_states_not_finite", "the captured states hold inf or NaN")
+
 
 def sweep_orphans(folder: Path, age_s: float) -> int:
     """Remove what killed workers left in the engine's folder: files already linked into the store
@@ -341,6 +355,7 @@ def sweep_orphans(folder: Path, age_s: float) -> int:
 
 _PARTIAL = re.compile(r"^(.+\.safetensors)\.\d+\.partial$")
 
+
 def _lock_name(name: str) -> str | None:
     """The lock a connector's entry is written under; None for anything else."""
     if name.endswith(".safetensors.lock"):
@@ -349,6 +364,7 @@ def _lock_name(name: str) -> str | None:
         return name + ".lock"
     m = _PARTIAL.match(name)
     return m.group(1) + ".lock" if m else None
+
 
 def _held(dir_fd: int, lock: str) -> bool:
     """Whether a live writer holds ``lock`` (a missing lock: nobody)."""
@@ -363,6 +379,7 @@ def _held(dir_fd: int, lock: str) -> bool:
     finally:
         os.close(fd)
     return False
+
 
 def unit_metadata(task: CaptureTask, m: CaptureManifest, spans: Spans, contract: EngineContract) -> dict[str, str]:
     """What a stored file's header says of its unit (written into the connector's room): whose it is,

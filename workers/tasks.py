@@ -14,9 +14,7 @@ or of the store outside its own retries goes back to its queue: it is never ackn
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 
 import msgspec
 import redis
@@ -25,244 +23,19 @@ from celery.exceptions import Reject
 from kombu.exceptions import OperationalError
 
 from draftfleet import redis_keys as rk
-from draftfleet.assign import assigned, published
-from draftfleet.claims import Claims
 from draftfleet.conversation import answers, conversation_record, history, runs, single_record
-from draftfleet.identity import task_problem
-from draftfleet.ledger import ADMITTED, LOST, REFUSED, WAIT, Ledger
-from draftfleet.reconcile import ensure_counters
-from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import (ChargeRecord, FailureRecord, GenerationSettings, PromptTask, ResponseRecord,
-                                        Turn, TurnProgress, WorkerReport)
-from draftfleet.store import Store, StoreError, check_key, check_name, new_charge_id
-from draftfleet.workers.backends import Backend, BackendError, Generation, Halt, Permanent, Transient, backoff_s
+from draftfleet.ledger import ADMITTED, LOST, REFUSED, WAIT
+from draftfleet.schemas.records import FailureRecord, PromptTask, ResponseRecord, Turn, TurnProgress
+from draftfleet.store import StoreError, check_key, check_name
+from draftfleet.workers.backends import BackendError, Generation, Halt, Permanent, Transient, backoff_s
 from draftfleet.workers.consumer import dead_letter
 from draftfleet.workers.engine import EngineClient, ServerDown
+from draftfleet.workers.runtime import Runtime
 
 log = logging.getLogger("draftfleet.worker")
 
-ASSIGNMENT_POLL_S = 1.0
-ADMISSION_WAIT_S = 1.0
-IDLE_QUEUE = rk.QUEUE_PREFIX + "_idle"
 STORE_ATTEMPTS = 8
 INFRA_RETRY_S = 5.0
-
-
-class Runtime:
-    """Per-process worker state: the backend, the store, Redis, its claims and its queues."""
-
-    def __init__(self, app: Celery, cfg: FleetConfig, store: Store, r: redis.Redis, backend: Backend,
-                 hostname: str, datasets: list[str], pause_s: float, follow_all: bool = False):
-        self.app = app
-        self.cfg = cfg
-        self.store = store
-        self.r = r
-        self.ledger = Ledger(r)
-        self.backend = backend
-        self.kind = backend.kind
-        self.hostname = hostname
-        self.datasets = datasets
-        self.pause_s = pause_s
-        self.claims = Claims(r, hostname)
-        self._lock = threading.Lock()
-        self.paused: str | None = None
-        self._stop = threading.Event()
-        self.follow_all = follow_all  # started without --dataset: follows every dataset enqueued
-        self.budgets: dict[str, int | None] = {d.name: d.budget_tokens for d in cfg.datasets}
-        self.held: dict[str, float] = {}  # dataset -> when this worker takes its tasks again
-        self.allowed: set[str] = set()
-        self.refresh()
-        self.consuming: set[str] = {rk.queue(d) for d in self.allowed}
-        self._consumer = None
-        self.spend_cap = cfg.clouds[backend.name].max_spend_usd if backend.kind == "cloud" else None
-        self._settings: dict[str, list[GenerationSettings]] = {}
-
-    def refuse(self, task: PromptTask, queue: str) -> str | None:
-        """Why this worker must not run ``task`` at all (dead-lettered, never requeued): a dataset
-        it does not know, a task on another dataset's queue, or content that does not give its key
-        under the dataset's settings (its manifest's, or the config's before the first enqueue)."""
-        if task.dataset not in self.datasets:
-            return f"unknown dataset {task.dataset!r}: this worker runs {', '.join(self.datasets)}"
-        if queue != rk.queue(task.dataset):
-            return f"a task of dataset {task.dataset!r} on queue {queue}"
-        problem = task_problem(task, self._dataset_settings(task.dataset))
-        if problem is not None:  # a --new-version enqueue may have changed the manifest since
-            problem = task_problem(task, self._dataset_settings(task.dataset, reread=True))
-        return None if problem is None else f"forged or stale task: {problem}"
-
-    def _dataset_settings(self, dataset: str, reread: bool = False) -> list[GenerationSettings]:
-        if reread or dataset not in self._settings:
-            manifest = self.store.manifest(dataset)
-            configured = [d.settings(self.cfg.fleet.model) for d in self.cfg.datasets if d.name == dataset]
-            self._settings[dataset] = [manifest.settings, *manifest.previous] if manifest is not None else configured
-        return self._settings[dataset]
-
-    def initial_queues(self) -> list[str]:
-        """The ``-Q`` list: assigned queues, or an idle queue so the worker can start and wait."""
-        return sorted(self.consuming) or [IDLE_QUEUE]
-
-    # -- claims and heartbeat --------------------------------------------------------------
-    def acquire(self, task: PromptTask) -> str | None:
-        """Claim the task's key; returns the claim's token (one per task), None if a twin holds it."""
-        return self.claims.acquire(rk.claim(task.dataset, task.key), task.dataset)
-
-    def release(self, task: PromptTask, token: str) -> None:
-        self.claims.release(rk.claim(task.dataset, task.key), task.dataset, token)
-
-    def _beat(self) -> None:
-        """A heartbeat every HEARTBEAT_S, at once when Redis lost its state (``Claims.beat_until``)."""
-        self.claims.beat_until(self._stop, self.heartbeat)
-
-    def heartbeat(self) -> None:
-        """Refresh held claims and publish this worker's report (read by ``draftfleet status``)."""
-        self.claims.beat(WorkerReport(
-            hostname=self.hostname, kind=self.backend.kind, backend=self.backend.name, endpoint=self.backend.endpoint,
-            datasets=sorted(self.allowed), follows=sorted(self.datasets), queues=sorted(self.consuming),
-            slots=self.backend.concurrency,
-            paused=self.paused,
-        ), mark_state=True)
-
-    def start(self) -> None:
-        self.heartbeat()
-        threading.Thread(target=self._beat, name="draftfleet-heartbeat", daemon=True).start()
-
-    def attach(self, consumer) -> None:
-        """Called once Celery's consumer is ready: from now on the assignment steers it."""
-        self._consumer = consumer
-        threading.Thread(target=self._watch, name="draftfleet-assignment", daemon=True).start()
-
-    @property
-    def stopping(self) -> bool:
-        """Shutting down: what the worker's tasks cannot finish goes back to the queue, never fails."""
-        return self._stop.is_set()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.claims.withdraw()
-
-    # -- consuming: assignment and pauses --------------------------------------------------
-    def refresh(self) -> None:
-        """Read the live dataset settings (assign.py): the datasets followed, their budgets, and
-        which of them this kind may consume now. Nothing needs a restart."""
-        live = published(self.r)
-        if self.follow_all:
-            for name in sorted(live.keys() - set(self.datasets)):
-                log.warning("following dataset %s (enqueued while this worker runs)", name)
-                self.datasets = [*self.datasets, name]
-        for name in self.datasets:
-            if name in live:
-                self.budgets[name] = live[name].budget_tokens
-        self.allowed = assigned(self.r, self.datasets, self.kind)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(ASSIGNMENT_POLL_S):
-            before = self.allowed
-            try:
-                self.refresh()
-            except redis.RedisError:
-                continue  # keep the last known settings while Redis is away
-            self.sync()
-            if self.allowed != before:
-                self.heartbeat()  # status shows the change now, not at the next beat
-
-    def hold(self, dataset: str) -> None:
-        """Leave a dataset's queue alone for ``ADMISSION_WAIT_S`` (its admission waits for what is
-        in flight), so the slots go to the worker's other datasets meanwhile."""
-        with self._lock:
-            self.held[dataset] = time.monotonic() + ADMISSION_WAIT_S
-        self.sync()
-
-    def sync(self) -> None:
-        """Make the consumer follow the assignment (nothing while paused, no held dataset).
-
-        Only the consumer's own thread may change its queues, so the change is handed to it. The
-        calls come from several threads, and Celery runs what it is handed in no set order (kombu's
-        event loop keeps it in a set): a pause that cleared at once had its cancel run after the
-        resume's add, and the worker stopped consuming for good. So what is handed over is not a
-        change but :meth:`_apply`, which compares the queues wanted when it runs with the ones the
-        consumer has: whatever the order, the last one leaves the consumer as wanted.
-        """
-        now = time.monotonic()
-        with self._lock:
-            held = {d for d, until in self.held.items() if until > now}
-            self.consuming = set() if self.paused else {rk.queue(d) for d in self.allowed - held}
-        consumer = self._consumer
-        if consumer is not None:
-            consumer.call_soon(self._apply)
-
-    def _apply(self) -> None:
-        """On the consumer's thread: add and cancel queues until it consumes what is wanted now."""
-        consumer = self._consumer
-        queues = getattr(consumer, "task_consumer", None)
-        if queues is None:  # the connection is being set up again: the watch's next sync applies it
-            return
-        with self._lock:
-            wanted = set(self.consuming)
-        actual = {q.name for q in queues.queues if queues.consuming_from(q.name)} - {IDLE_QUEUE}
-        for q in sorted(wanted - actual):
-            log.warning("now consuming %s", q)
-            consumer.add_task_queue(q)
-        for q in sorted(actual - wanted):
-            log.warning("no longer consuming %s", q)
-            consumer.cancel_task_queue(q)
-
-    def pause(self, reason: str, detail: str, ready: Callable[[], bool] | None = None) -> None:
-        """Stop consuming (tasks stay queued); try again after ``pause_s``, or once ``ready()``."""
-        with self._lock:
-            if self.paused:
-                return
-            self.paused = reason
-        banner = "=" * 72
-        log.error("%s\nSTOPPED CONSUMING %s: %s\n%s\nTasks stay queued; nothing is marked failed. "
-                  "Retrying in %.0fs%s.\n%s", banner, ", ".join(sorted(self.consuming)), reason, detail,
-                  self.pause_s, ", or as soon as the server answers" if ready else "", banner)
-        self.sync()
-        self.heartbeat()
-        threading.Thread(target=self._wait_to_resume, args=(ready,), name="draftfleet-pause", daemon=True).start()
-
-    def _wait_to_resume(self, ready: Callable[[], bool] | None) -> None:
-        deadline = time.monotonic() + self.pause_s
-        while time.monotonic() < deadline and not (ready is not None and ready()):
-            if self._stop.wait(min(1.0, self.pause_s)):
-                return
-        self.resume()
-
-    def resume(self) -> None:
-        with self._lock:
-            if not self.paused:
-                return
-            self.paused = None
-        log.warning("resuming after a pause")
-        self.sync()
-        self.heartbeat()
-
-    def counters_known(self) -> bool:
-        """Whether the counters are the store's, rebuilding them here when no other process is
-        (``reconcile.ensure_counters``): False while another one rebuilds them."""
-        return ensure_counters(self.store, self.r, wait=False)
-
-    def charge(self, task: PromptTask, backend: str, cost_usd: float, reason: str) -> None:
-        """A generation paid for that no record will carry: kept in the store, then into the spend."""
-        if not cost_usd:
-            return
-        charge = ChargeRecord(id=new_charge_id(), backend=backend, cost_usd=cost_usd, dataset=task.dataset,
-                              key=task.key, reason=reason, worker=self.hostname, at=time.time())
-        self.store.put_charge(charge)
-        self.ledger.charge(charge)
-
-    def check_spend(self) -> None:
-        """A cloud backend stops at its spend cap; the queue keeps what is left. A spend Redis lost
-        is no spend: the worker waits (paused) until the counters are rebuilt from the store."""
-        if self.spend_cap is not None:
-            spent = self.ledger.spend_known(self.backend.name)
-            if spent is None and self.counters_known():
-                spent = self.ledger.spend_known(self.backend.name)
-            if spent is None:
-                raise Halt("counters_rebuilding", "Redis lost the spend counters; another process is rebuilding "
-                           "them from the store", ready=self.ledger.counters_built)
-            if spent >= self.spend_cap:
-                raise Halt("spend_cap", f"{self.backend.name} has spent ${spent:.2f} of its "
-                           f"max_spend_usd ${self.spend_cap:.2f}: raise it in the config to go on")
 
 
 _runtime: Runtime | None = None

@@ -28,7 +28,8 @@ from draftfleet.workers.backends import Backend
 from draftfleet.workers.cloud import CloudChat
 from draftfleet.workers.engine import EngineClient
 from draftfleet.workers.sglang import SGLangClient
-from draftfleet.workers.tasks import Runtime, install, register
+from draftfleet.workers.runtime import Runtime
+from draftfleet.workers.tasks import install, register
 from draftfleet.workers.vllm import VLLMClient
 
 log = logging.getLogger("draftfleet.worker")

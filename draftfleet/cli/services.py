@@ -37,7 +37,7 @@ def cmd_s3(args) -> int:
     from rich.markup import escape
 
     from draftfleet.devtools.seaweedfs import IDENTITY_FILE, SeaweedFS, default_folder
-    from draftfleet.objectstore import parse_location
+    from draftfleet.store.bucket import parse_location
 
     bucket, _prefix = parse_location(args.store)
     folder = Path(args.dir).expanduser() if args.dir else default_folder()

@@ -104,7 +104,7 @@ def _bucket(location: str):
     """Where the demo's bucket is, for the story, and the private SeaweedFS it started (to stop at the
     end), if any: the user's endpoint when the environment gives one, else ``draftfleet s3``'s server."""
     from draftfleet.devtools.seaweedfs import SeaweedFS, default_folder
-    from draftfleet.objectstore import parse_location
+    from draftfleet.store.bucket import parse_location
 
     bucket, _prefix = parse_location(location)
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")

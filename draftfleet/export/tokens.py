@@ -11,7 +11,7 @@ through without rendering (``preprocessing._passthrough_pretokenized``, speculat
 
 from __future__ import annotations
 
-from draftfleet.conversation import history, record_turns
+from draftfleet.conversation import record_turns, turn_prompts
 from draftfleet.schemas.records import ResponseRecord
 from draftfleet.tokenizer import TargetTokenizer
 
@@ -19,8 +19,7 @@ from draftfleet.tokenizer import TargetTokenizer
 def rows(rec: ResponseRecord, metadata: dict, tok: TargetTokenizer) -> list[dict]:
     turns = record_turns(rec)
     out = []
-    for k, turn in enumerate(turns):
-        prompt = turn.prompt_ids or tok.prompt_ids(history(rec.messages, turns[:k]))
+    for k, (turn, prompt) in enumerate(zip(turns, turn_prompts(rec, tok))):
         meta = {**metadata, "backend": turn.backend, "token_source": turn.token_source,
                 "finish_reason": turn.finish_reason, "completion_tokens": turn.completion_tokens}
         if rec.turns:

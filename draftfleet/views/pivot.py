@@ -17,7 +17,7 @@ import redis
 from draftfleet import redis_keys as rk
 from draftfleet.assign import KINDS, assign, kinds_for
 from draftfleet.claims import worker_reports
-from draftfleet.workers.tasks import ASSIGNMENT_POLL_S
+from draftfleet.workers.runtime import ASSIGNMENT_POLL_S
 
 
 class DrainResult(msgspec.Struct, kw_only=True):

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 from draftfleet.schemas.config import StoreS3Section
-from draftfleet.store import StoreError
+from draftfleet.store.base import StoreError
 
 
 _HEX = "0123456789abcdef"

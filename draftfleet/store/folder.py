@@ -1,22 +1,4 @@
-"""The store: one JSON document per prompt key, the fleet's source of truth.
-
-``Store`` is what tasks, capture, views and exports use; ``open_store`` picks the kind from the
-``[fleet] store`` setting: a folder (``FileStore``, below, the default) or ``s3://bucket/prefix``
-(``ObjectStore``, draftfleet/objectstore.py), which keeps the same layout under its prefix.
-
-Layout under the root::
-
-    <dataset>/manifest.json            settings the dataset's keys were made with
-    <dataset>/<key[:2]>/<key>.json     one ResponseRecord per key, write-once
-    _failures/<dataset>/<key>.json     tasks whose retries ran out (re-queueable)
-    _unreadable/<dataset>/<key>.<ns>.json   record files that could not be read, set aside
-    _quarantine/<dataset>.jsonl        input lines that were rejected, verbatim
-    _log/<dataset>.jsonl               pivots, drains and budget changes, for the report
-    _progress/<dataset>/<key>.json     completed turns of a conversation still being generated, or
-                                       stopped by the budget (no result yet: it goes on when raised)
-    _charges/<id>.json                 generations paid for that no record carries (the spend's rest)
-    _hidden/<dataset>/v<N>/...         captured hidden states, one file per record turn (hidden.py)
-    .draftfleet-store                  marker: this folder is a fleet store (see ``Store.prepare``)
+"""The store in a folder (``FileStore``): records written once by ``link``, on any POSIX file system.
 
 Writes are atomic (temp file in the same folder, fsync, then ``link``): ``link`` fails when the
 target exists, so of two workers finishing the same key exactly one wins, on any POSIX file
@@ -34,82 +16,26 @@ from __future__ import annotations
 import errno
 import os
 import re
-import secrets
 import tempfile
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from draftfleet.schemas.config import NAME_RE
+from draftfleet.schemas.records import ChargeRecord, DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry, TurnProgress
+from draftfleet.store.base import FLEET_ENTRIES, MARKER, Store, StoreError, check_charge_id, check_key, check_name
+from draftfleet.store.encoding import (charge_decoder, encoder, event_decoder, failure_decoder, manifest_decoder,
+                                       quarantine_decoder, quarantine_id)
 
-if TYPE_CHECKING:
-    from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import (
-    ChargeRecord,
-    DatasetEvent,
-    DatasetManifest,
-    FailureRecord,
-    QuarantineEntry,
-    ResponseRecord,
-    TurnProgress,
-)
-
-KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 DIR_MODE = 0o755
+
 FILE_MODE = 0o444
+
 APPEND_MODE = 0o644  # the quarantine files and the decision logs, appended to by every enqueue
-MARKER = ".draftfleet-store"
-# What a store made before the marker existed can hold: it is recognised, and marked.
-_FLEET_ENTRIES = {"_redis", "_failures", "_charges", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "_log",
-                  "lost+found"}
+
 _TEMP_RE = re.compile(r"^\.tmp-[A-Za-z0-9_]+\.json$")  # _write_temp's names (tempfile.mkstemp)
-_encoder = msgspec.json.Encoder()
-_record_decoder = msgspec.json.Decoder(ResponseRecord)
-_failure_decoder = msgspec.json.Decoder(FailureRecord)
-_manifest_decoder = msgspec.json.Decoder(DatasetManifest)
-_quarantine_decoder = msgspec.json.Decoder(QuarantineEntry)
-_event_decoder = msgspec.json.Decoder(DatasetEvent)
-_charge_decoder = msgspec.json.Decoder(ChargeRecord)
-
-
-def _quarantine_id(e: QuarantineEntry) -> tuple:
-    """A rejection's identity: which line of which file, why, and its bytes (not when)."""
-    return e.file, e.line, e.kind, e.field, e.raw, e.raw_b64
-
-
-class StoreError(Exception):
-    """The store could not be read or written (permissions, disk full, bad name)."""
-
-
-def check_name(dataset: str) -> str:
-    """Refuse any dataset name that could leave the root (``..``, ``/``, NUL, absolute)."""
-    if not isinstance(dataset, str) or not NAME_RE.match(dataset) or ".." in dataset:
-        raise StoreError(f"unsafe dataset name {dataset!r}")
-    return dataset
-
-
-def check_key(key: str) -> str:
-    if not isinstance(key, str) or not KEY_RE.match(key):
-        raise StoreError(f"malformed key {key!r}: expected 64 hex characters")
-    return key
-
-
-CHARGE_ID_RE = re.compile(r"^[0-9]{20}-[0-9a-f]{12}$")
-
-
-def new_charge_id() -> str:
-    """A charge's id: its time (so the store lists charges in order) and a random part."""
-    return f"{time.time_ns():020d}-{secrets.token_hex(6)}"
-
-
-def check_charge_id(charge_id: str) -> str:
-    if not CHARGE_ID_RE.match(charge_id):
-        raise StoreError(f"bad charge id {charge_id!r}")
-    return charge_id
 
 
 def _why(exc: OSError) -> str:
@@ -224,171 +150,6 @@ def _lexists_at(dir_fd: int, name: str) -> bool:
     return True
 
 
-class Store(ABC):
-    """What the fleet keeps, wherever it keeps it: the same semantics in every kind.
-
-    Records are write-once (of two writers of a key exactly one wins, and only it counts the
-    record); manifests, failures and progress are replaced whole, atomically; the quarantine and
-    the decision log only grow. ``location`` names the store in messages; ``local`` says whether
-    its files are on this machine's file system (hidden-state capture needs that for now).
-    """
-
-    location: str
-    local: bool
-
-    @abstractmethod
-    def prepare(self) -> None:
-        """Make sure the store is the fleet's own (its marker) before anything is written to it."""
-
-    # -- responses -----------------------------------------------------------------------
-    @abstractmethod
-    def has(self, dataset: str, key: str) -> bool: ...
-
-    @abstractmethod
-    def _create(self, dataset: str, key: str, data: bytes) -> bool:
-        """Store a record's bytes unless the key has one: True if this call stored them."""
-
-    def put(self, record: ResponseRecord) -> bool:
-        """Write ``record`` once. True if this call stored it, False if the key already had one.
-
-        Storing a result clears the key's failure record: the prompt is finished."""
-        check_name(record.dataset)
-        check_key(record.key)
-        if not self._create(record.dataset, record.key, _encoder.encode(record)):
-            return False
-        self.clear_failure(record.dataset, record.key)
-        return True
-
-    def abort_stale_uploads(self) -> int:
-        """Abort uploads left by writers killed mid-way (a bucket's multipart uploads): how many.
-        A folder has none: a file is written whole, then linked."""
-        return 0
-
-    @abstractmethod
-    def set_aside(self, dataset: str, key: str) -> str | Path | None:
-        """Move an unreadable record to ``_unreadable/`` so the key can be generated again; where
-        it went (None: nothing was there). Call it holding the key's claim."""
-
-    @abstractmethod
-    def record_bytes(self, dataset: str, key: str) -> bytes:
-        """A record's stored bytes (``FileNotFoundError`` when there are none)."""
-
-    @abstractmethod
-    def record_location(self, dataset: str, key: str) -> str:
-        """Where a record is, for messages."""
-
-    def get(self, dataset: str, key: str) -> ResponseRecord:
-        return _record_decoder.decode(self.record_bytes(dataset, key))
-
-    @abstractmethod
-    def record_files(self, dataset: str) -> list[str]:
-        """The names of every record (what ``read_many`` takes), unsorted."""
-
-    @abstractmethod
-    def read_many(self, names: Iterable[str]) -> Iterator[tuple[str, bytes | OSError]]:
-        """Each name's bytes, or the ``OSError`` that reading it raised, in order."""
-
-    def keys(self, dataset: str) -> set[str]:
-        """Every key with a stored result (names only; nothing is read)."""
-        return {n.rsplit("/", 1)[-1][:-5] for n in self.record_files(dataset)}
-
-    def records(self, dataset: str) -> Iterator[ResponseRecord]:
-        """Every record, by key; one that cannot be read raises."""
-        for name, data in self.read_many(sorted(self.record_files(dataset), key=lambda n: n.rsplit("/", 1)[-1])):
-            if isinstance(data, OSError):
-                raise data
-            yield _record_decoder.decode(data)
-
-    @abstractmethod
-    def datasets(self) -> list[str]: ...
-
-    # -- manifests, failures, progress ----------------------------------------------------
-    @abstractmethod
-    def manifest(self, dataset: str) -> DatasetManifest | None: ...
-
-    @abstractmethod
-    def write_manifest(self, manifest: DatasetManifest) -> None: ...
-
-    @abstractmethod
-    def put_failure(self, failure: FailureRecord) -> None: ...
-
-    @abstractmethod
-    def _failures(self, dataset: str) -> list[FailureRecord]: ...
-
-    def failures(self, dataset: str) -> list[FailureRecord]:
-        """Prompts whose retries ran out and that have no result (one stored since, by a twin or
-        before ``put`` cleared failures, is finished: not listed)."""
-        return [f for f in self._failures(dataset) if not self.has(dataset, f.key)]
-
-    @abstractmethod
-    def clear_failure(self, dataset: str, key: str) -> None: ...
-
-    @abstractmethod
-    def put_progress(self, progress: TurnProgress) -> None:
-        """Keep a conversation's completed turns (replaced atomically as each turn completes), so
-        that the worker that takes it up after a death or a retry starts at the next turn."""
-
-    @abstractmethod
-    def progress(self, dataset: str, key: str) -> TurnProgress | None:
-        """The completed turns kept for ``key``; None when there are none (or they cannot be read)."""
-
-    @abstractmethod
-    def clear_progress(self, dataset: str, key: str) -> None: ...
-
-    @abstractmethod
-    def progress_keys(self, dataset: str) -> set[str]: ...
-
-    def paid_tokens(self, dataset: str) -> int:
-        """Completion tokens of the kept turns of conversations with no record yet: paid, so spent
-        from the budget (what the reconciler rebuilds the ledger's ``paid_tokens`` from)."""
-        return sum(t.completion_tokens for key in self.progress_keys(dataset) if not self.has(dataset, key)
-                   for t in getattr(self.progress(dataset, key), "turns", []))
-
-    # -- what only grows -----------------------------------------------------------------
-    @abstractmethod
-    def put_charge(self, charge: ChargeRecord) -> None:
-        """Keep a paid generation no record carries, once (its id), before the spend counts it:
-        the spend rebuilt from the store (records, kept turns, charges) is then the whole spend."""
-
-    @abstractmethod
-    def charges(self) -> list[ChargeRecord]:
-        """Every kept charge, oldest first (an unreadable one is skipped)."""
-
-    @abstractmethod
-    def quarantine_location(self, dataset: str) -> str:
-        """Where the dataset's quarantined lines are, for messages."""
-
-    @abstractmethod
-    def quarantined(self, dataset: str) -> Iterator[QuarantineEntry]: ...
-
-    @abstractmethod
-    def quarantine(self, dataset: str, entries: list[QuarantineEntry]) -> None:
-        """Add rejects to the dataset's quarantine, every enqueue's and import's; a line rejected
-        again for the same reason (a re-run) is kept once; two enqueues at once lose nothing."""
-
-    @abstractmethod
-    def log(self, event: DatasetEvent) -> None:
-        """Add an operator's decision (a pivot, a drain, a budget) to the dataset's log; two
-        commands at once cannot lose each other's."""
-
-    @abstractmethod
-    def events(self, dataset: str) -> list[DatasetEvent]:
-        """The dataset's logged decisions, oldest first (an unreadable one is skipped)."""
-
-
-def open_store(where: FleetConfig | str | Path) -> Store:
-    """The store a config (its ``[fleet] store`` and ``[store.s3]``) or a location names: the one
-    way every command, worker, view and test opens it."""
-    options = None
-    if not isinstance(where, (str, Path)):
-        options, where = where.store.s3, where.fleet.store
-    if isinstance(where, str) and where.startswith("s3://"):
-        from draftfleet.objectstore import ObjectStore
-
-        return ObjectStore(where, options)
-    return FileStore(where)
-
-
 class FileStore(Store):
     """Object-keyed files under ``root``; safe to share between machines over NFS."""
 
@@ -423,7 +184,7 @@ class FileStore(Store):
             # The marker's own temp file is the fleet's: two workers started together on a new store
             # each write one, and the second used to find the first's and refuse (exit 1, issue 26.8).
             foreign = sorted(e.name for e in os.scandir(root) if not (
-                e.name in _FLEET_ENTRIES or _TEMP_RE.match(e.name) and e.is_file(follow_symlinks=False)
+                e.name in FLEET_ENTRIES or _TEMP_RE.match(e.name) and e.is_file(follow_symlinks=False)
                 or (e.is_dir(follow_symlinks=False) and NAME_RE.match(e.name)
                     and os.path.isfile(os.path.join(e.path, "manifest.json")))))
             if foreign:
@@ -498,11 +259,11 @@ class FileStore(Store):
 
     def manifest(self, dataset: str) -> DatasetManifest | None:
         p = self.manifest_path(dataset)
-        return _manifest_decoder.decode(p.read_bytes()) if p.exists() else None
+        return manifest_decoder.decode(p.read_bytes()) if p.exists() else None
 
     def write_manifest(self, manifest: DatasetManifest) -> None:
         final = self.manifest_path(manifest.name)
-        tmp = _write_temp(final.parent, msgspec.json.format(_encoder.encode(manifest)))
+        tmp = _write_temp(final.parent, msgspec.json.format(encoder.encode(manifest)))
         os.replace(tmp, final)
         _fsync_dir(final.parent)
 
@@ -513,16 +274,16 @@ class FileStore(Store):
     def put_failure(self, failure: FailureRecord) -> None:
         final = self.failure_path(failure.dataset, failure.key)
         try:
-            tmp = _write_temp(final.parent, _encoder.encode(failure))
+            tmp = _write_temp(final.parent, encoder.encode(failure))
             os.replace(tmp, final)
         except OSError as exc:
             raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
 
-    def _failures(self, dataset: str) -> list[FailureRecord]:
+    def all_failures(self, dataset: str) -> list[FailureRecord]:
         base = self.root / "_failures" / check_name(dataset)
         if not base.is_dir():
             return []
-        return [_failure_decoder.decode(p.read_bytes()) for p in sorted(base.glob("*.json"))]
+        return [failure_decoder.decode(p.read_bytes()) for p in sorted(base.glob("*.json"))]
 
     def clear_failure(self, dataset: str, key: str) -> None:
         self.failure_path(dataset, key).unlink(missing_ok=True)
@@ -534,7 +295,7 @@ class FileStore(Store):
     def put_progress(self, progress: TurnProgress) -> None:
         final = self.progress_path(progress.dataset, progress.key)
         try:
-            os.replace(_write_temp(final.parent, _encoder.encode(progress)), final)
+            os.replace(_write_temp(final.parent, encoder.encode(progress)), final)
         except OSError as exc:
             raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
 
@@ -568,7 +329,7 @@ class FileStore(Store):
         with fh:
             for line in fh:
                 try:
-                    yield _quarantine_decoder.decode(line)
+                    yield quarantine_decoder.decode(line)
                 except msgspec.DecodeError:
                     continue
 
@@ -583,14 +344,14 @@ class FileStore(Store):
         seen = set()
         for line in old.splitlines():
             try:
-                seen.add(_quarantine_id(_quarantine_decoder.decode(line)))
+                seen.add(quarantine_id(quarantine_decoder.decode(line)))
             except msgspec.DecodeError:
                 continue
         new = []
         for e in entries:
-            if _quarantine_id(e) not in seen:
-                seen.add(_quarantine_id(e))
-                new.append(_encoder.encode(e) + b"\n")
+            if quarantine_id(e) not in seen:
+                seen.add(quarantine_id(e))
+                new.append(encoder.encode(e) + b"\n")
         if new:  # appended, so that two enqueues at once cannot lose each other's lines
             make_dirs(p.parent)
             fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, APPEND_MODE)
@@ -601,13 +362,13 @@ class FileStore(Store):
                 os.fsync(fh.fileno())
 
     def put_charge(self, charge: ChargeRecord) -> None:
-        write_once(self.root / "_charges" / f"{check_charge_id(charge.id)}.json", _encoder.encode(charge))
+        write_once(self.root / "_charges" / f"{check_charge_id(charge.id)}.json", encoder.encode(charge))
 
     def charges(self) -> list[ChargeRecord]:
         out = []
         for p in sorted((self.root / "_charges").glob("*.json")):
             try:
-                out.append(_charge_decoder.decode(p.read_bytes()))
+                out.append(charge_decoder.decode(p.read_bytes()))
             except (OSError, msgspec.DecodeError):
                 continue
         return out
@@ -622,7 +383,7 @@ class FileStore(Store):
         fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, APPEND_MODE)
         os.fchmod(fd, APPEND_MODE)  # a new one was made under the umask
         with os.fdopen(fd, "ab") as fh:
-            fh.write(_encoder.encode(event) + b"\n")
+            fh.write(encoder.encode(event) + b"\n")
 
     def events(self, dataset: str) -> list[DatasetEvent]:
         try:
@@ -632,7 +393,7 @@ class FileStore(Store):
         out = []
         for line in lines:
             try:
-                out.append(_event_decoder.decode(line))
+                out.append(event_decoder.decode(line))
             except msgspec.DecodeError:
                 continue
         return sorted(out, key=lambda e: e.at)

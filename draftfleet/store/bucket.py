@@ -1,6 +1,6 @@
 """The store in a bucket: ``s3://bucket/prefix``, for machines that share no file system.
 
-The layout under the prefix is the file store's (draftfleet/store.py), and so are the semantics,
+The layout under the prefix is the file store's (draftfleet/store/folder.py), and so are the semantics,
 each by one S3 request:
 
 - a record is written once by ``PutObject`` with ``If-None-Match: *``: 412 means another writer
@@ -40,26 +40,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from draftfleet.s3 import WRITER, Bucket, S3Error
+from draftfleet.store.s3 import WRITER, Bucket, S3Error
 from draftfleet.schemas.config import NAME_RE, StoreS3Section
 from draftfleet.schemas.records import (ChargeRecord, DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry,
                                         ResponseRecord, TurnProgress)
-from draftfleet.store import (
-    _FLEET_ENTRIES,
-    MARKER,
-    Store,
-    StoreError,
-    _charge_decoder,
-    _encoder,
-    _event_decoder,
-    _failure_decoder,
-    _manifest_decoder,
-    _quarantine_decoder,
-    _quarantine_id,
-    check_charge_id,
-    check_key,
-    check_name,
-)
+from draftfleet.store.base import FLEET_ENTRIES, MARKER, Store, StoreError, check_charge_id, check_key, check_name
+from draftfleet.store.encoding import (charge_decoder, encoder, event_decoder, failure_decoder, manifest_decoder,
+                                       quarantine_decoder, quarantine_id)
 
 READ_THREADS = 16  # GETs in flight while a view reads every record: latency-bound, not CPU-bound
 CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: another write of the key was under way
@@ -67,7 +54,7 @@ CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: another write of the key
 # chances to catch a check-then-write server; not 8 writers of one key, because SeaweedFS 4.48
 # makes a third concurrent writer of a key wait about a second (measured: 2-3 s for 8, 40 ms for 4x2)
 PROBE_KEYS, PROBE_RACERS = 4, 2
-_RECORD_RE = re.compile(r"/[0-9a-f]{2}/[0-9a-f]{64}\.json$")
+RECORD_RE = re.compile(r"/[0-9a-f]{2}/[0-9a-f]{64}\.json$")
 # A multipart upload begun longer ago than this is a dead writer's: a unit's file (GiBs at most) goes
 # up in minutes, so a live worker's upload is never this old (ops/scaling.md)
 STALE_UPLOAD_S = 24 * 3600
@@ -98,10 +85,10 @@ class ObjectStore(Store):
         self._etags: dict[str, str | None] = {}  # dataset -> the ETag its manifest was read with
         self._conditional_delete: bool | None = None  # whether DELETE honours If-Match (None: not probed yet)
 
-    def _key(self, *parts: str) -> str:
+    def object_name(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
 
-    def _retry_conflict(self, write):
+    def retry_conflict(self, write):
         """Run ``write``; a 409 (a concurrent write of the key) is tried again."""
         for attempt in range(CONFLICT_RETRIES):
             try:
@@ -111,10 +98,10 @@ class ObjectStore(Store):
                     raise
                 time.sleep(0.05 * 2**attempt)
 
-    def _create_object(self, key: str, data: bytes) -> bool:
+    def create_object(self, key: str, data: bytes) -> bool:
         writer = secrets.token_hex(16)  # one for every try of this write
         try:
-            self._retry_conflict(lambda: self.bucket.put(key, data, if_none_match=True, writer=writer))
+            self.retry_conflict(lambda: self.bucket.put(key, data, if_none_match=True, writer=writer))
         except S3Error as exc:
             if exc.status == 412:
                 return False
@@ -127,14 +114,14 @@ class ObjectStore(Store):
         not make, and a bucket that ignores conditional writes; then mark the prefix and abort
         stale uploads."""
         self.bucket.check_bucket()
-        marker = self._key(MARKER)
+        marker = self.object_name(MARKER)
         if not self.bucket.exists(marker):
-            top = self._key("") if self.prefix else ""
+            top = self.object_name("") if self.prefix else ""
             foreign = []
             for name in self.bucket.list(top, delimiter="/"):
                 entry = name[len(top):].rstrip("/")
-                if entry in _FLEET_ENTRIES or entry == "_probe" or (name.endswith("/") and NAME_RE.match(entry)
-                                               and self.bucket.exists(self._key(entry, "manifest.json"))):
+                if entry in FLEET_ENTRIES or entry == "_probe" or (name.endswith("/") and NAME_RE.match(entry)
+                                               and self.bucket.exists(self.object_name(entry, "manifest.json"))):
                     continue
                 foreign.append(entry)
                 if len(foreign) > 5:
@@ -143,13 +130,13 @@ class ObjectStore(Store):
                 raise StoreError(f"refusing store {self.location}: it holds objects the fleet did not make "
                                  f"({', '.join(foreign[:5])}) and no {MARKER} marker; use an empty prefix")
         self._probe_conditional_writes()
-        self._create_object(marker, b'{"draftfleet_store": 1}\n')
+        self.create_object(marker, b'{"draftfleet_store": 1}\n')
         self.abort_stale_uploads()
 
     def abort_stale_uploads(self) -> int:
         """Abort the multipart uploads under the prefix begun over ``STALE_UPLOAD_S`` ago: a worker
         killed -9 mid-upload leaves its parts billed. A failure is logged, not raised: it loses nothing."""
-        top = self._key("") if self.prefix else ""
+        top = self.object_name("") if self.prefix else ""
         try:
             aborted = self.bucket.abort_uploads(top, time.time() - STALE_UPLOAD_S)
         except S3Error as exc:
@@ -166,12 +153,12 @@ class ObjectStore(Store):
         stale ETag (manifests), a DELETE with the stale ETag then the current one (``set_aside``),
         and ``PROBE_RACERS`` writers of each of ``PROBE_KEYS`` new keys at once (a server that
         checks, then writes, lets several win)."""
-        probe = self._key("_probe", secrets.token_hex(8))
+        probe = self.object_name("_probe", secrets.token_hex(8))
         race = [f"{probe}.race{n}" for n in range(PROBE_KEYS)]
         refuse = f"refusing store {self.location}:"
         advice = "use a bucket or server with conditional writes (ops/scaling.md)"
         try:
-            if not self._create_object(probe, b"1") or self._create_object(probe, b"2"):
+            if not self.create_object(probe, b"1") or self.create_object(probe, b"2"):
                 raise StoreError(f"{refuse} the bucket ignores If-None-Match (a second conditional PUT of one "
                                  f"key succeeded), so two workers could both store one prompt; {advice}")
             stale, meta = self.bucket.head(probe)
@@ -179,14 +166,14 @@ class ObjectStore(Store):
                 raise StoreError(f"{refuse} the bucket drops an object's metadata (x-amz-meta-*), so a record whose "
                                  f"answer was lost would be taken for another writer's; {advice}")
             try:
-                current = self._retry_conflict(lambda: self.bucket.put(probe, b"3", if_match=stale))
+                current = self.retry_conflict(lambda: self.bucket.put(probe, b"3", if_match=stale))
             except S3Error as exc:
                 if exc.status != 412:
                     raise
                 raise StoreError(f"{refuse} the bucket refused If-Match with the object's current ETag, so no "
                                  f"enqueue could replace a manifest; {advice}") from None
             try:
-                self._retry_conflict(lambda: self.bucket.put(probe, b"4", if_match=stale))
+                self.retry_conflict(lambda: self.bucket.put(probe, b"4", if_match=stale))
             except S3Error as exc:
                 if exc.status != 412:
                     raise
@@ -220,7 +207,7 @@ class ObjectStore(Store):
     def _deletes_conditionally(self) -> bool:
         """``_probe_delete``'s answer, probed now on an object of its own if ``prepare`` did not."""
         if self._conditional_delete is None:
-            probe = self._key("_probe", secrets.token_hex(8))
+            probe = self.object_name("_probe", secrets.token_hex(8))
             try:
                 stale = self.bucket.put(probe, b"1")
                 self._probe_delete(probe, stale, self.bucket.put(probe, b"2"))
@@ -242,7 +229,7 @@ class ObjectStore(Store):
 
         def write(i: int) -> bool:
             start.wait()
-            return self._create_object(keys[i % len(keys)], b"racer %d" % i)
+            return self.create_object(keys[i % len(keys)], b"racer %d" % i)
 
         with ThreadPoolExecutor(n) as pool:
             won = [i for i, ok in enumerate(pool.map(write, range(n))) if ok]
@@ -262,13 +249,13 @@ class ObjectStore(Store):
     def _record_key(self, dataset: str, key: str) -> str:
         check_name(dataset)
         check_key(key)
-        return self._key(dataset, key[:2], f"{key}.json")
+        return self.object_name(dataset, key[:2], f"{key}.json")
 
     def has(self, dataset: str, key: str) -> bool:
         return self.bucket.exists(self._record_key(dataset, key))
 
     def _create(self, dataset: str, key: str, data: bytes) -> bool:
-        return self._create_object(self._record_key(dataset, key), data)
+        return self.create_object(self._record_key(dataset, key), data)
 
     def put(self, record: ResponseRecord) -> bool:
         """Write ``record`` once: the conditional PUT and nothing more. The key's failure record is
@@ -276,7 +263,7 @@ class ObjectStore(Store):
         ``failures`` never lists a key with a result, and the reconciler removes it."""
         check_name(record.dataset)
         check_key(record.key)
-        return self._create(record.dataset, record.key, _encoder.encode(record))
+        return self._create(record.dataset, record.key, encoder.encode(record))
 
     def set_aside(self, dataset: str, key: str) -> str | None:
         """Copy the record to ``_unreadable/``, then delete it only if it is still the object copied
@@ -287,7 +274,7 @@ class ObjectStore(Store):
         got = self.bucket.head(src)
         if got is None or not self._deletes_conditionally():
             return None
-        dst = self._key("_unreadable", dataset, f"{key}.{time.time_ns()}.json")
+        dst = self.object_name("_unreadable", dataset, f"{key}.{time.time_ns()}.json")
         try:
             self.bucket.copy(src, dst, if_match=got[0])
             self.bucket.delete(src, if_match=got[0])
@@ -309,7 +296,7 @@ class ObjectStore(Store):
 
     def record_files(self, dataset: str) -> list[str]:
         """Listed shard by shard, side by side (``Bucket.list_sharded``): 100k keys in a row is 100 round trips."""
-        return [k for k in self.bucket.list_sharded(self._key(check_name(dataset), "")) if _RECORD_RE.search(k)]
+        return [k for k in self.bucket.list_sharded(self.object_name(check_name(dataset), "")) if RECORD_RE.search(k)]
 
     def _read(self, name: str) -> bytes | OSError:
         try:
@@ -339,26 +326,26 @@ class ObjectStore(Store):
         return out
 
     def datasets(self) -> list[str]:
-        top = self._key("") if self.prefix else ""
+        top = self.object_name("") if self.prefix else ""
         names = (p[len(top):].rstrip("/") for p in self.bucket.list(top, delimiter="/") if p.endswith("/"))
         return sorted(n for n in names if NAME_RE.match(n) and ".." not in n)
 
     # -- manifests, failures, progress ----------------------------------------------------
     def manifest(self, dataset: str) -> DatasetManifest | None:
-        got = self.bucket.get(self._key(check_name(dataset), "manifest.json"))
+        got = self.bucket.get(self.object_name(check_name(dataset), "manifest.json"))
         self._etags[dataset] = got[1] if got else None
-        return _manifest_decoder.decode(got[0]) if got else None
+        return manifest_decoder.decode(got[0]) if got else None
 
     def write_manifest(self, manifest: DatasetManifest) -> None:
         """Replace the manifest if it is still the one this store read (read it first if not)."""
         if manifest.name not in self._etags:
             self.manifest(manifest.name)
         seen = self._etags[manifest.name]
-        key = self._key(check_name(manifest.name), "manifest.json")
-        data = msgspec.json.format(_encoder.encode(manifest))
+        key = self.object_name(check_name(manifest.name), "manifest.json")
+        data = msgspec.json.format(encoder.encode(manifest))
         writer = secrets.token_hex(16)
         try:
-            etag = self._retry_conflict(lambda: self.bucket.put(key, data, if_none_match=seen is None, if_match=seen,
+            etag = self.retry_conflict(lambda: self.bucket.put(key, data, if_none_match=seen is None, if_match=seen,
                                                                 writer=writer))
         except S3Error as exc:
             if exc.status == 412:
@@ -369,22 +356,22 @@ class ObjectStore(Store):
         self._etags[manifest.name] = etag
 
     def put_failure(self, failure: FailureRecord) -> None:
-        key = self._key("_failures", check_name(failure.dataset), f"{check_key(failure.key)}.json")
-        self._retry_conflict(lambda: self.bucket.put(key, _encoder.encode(failure)))
+        key = self.object_name("_failures", check_name(failure.dataset), f"{check_key(failure.key)}.json")
+        self.retry_conflict(lambda: self.bucket.put(key, encoder.encode(failure)))
 
-    def _failures(self, dataset: str) -> list[FailureRecord]:
-        return sorted(self._documents(self._key("_failures", check_name(dataset), ""), _failure_decoder),
+    def all_failures(self, dataset: str) -> list[FailureRecord]:
+        return sorted(self._documents(self.object_name("_failures", check_name(dataset), ""), failure_decoder),
                       key=lambda f: f.key)
 
     def clear_failure(self, dataset: str, key: str) -> None:
-        self.bucket.delete(self._key("_failures", check_name(dataset), f"{check_key(key)}.json"))
+        self.bucket.delete(self.object_name("_failures", check_name(dataset), f"{check_key(key)}.json"))
 
     def _progress_key(self, dataset: str, key: str) -> str:
-        return self._key("_progress", check_name(dataset), f"{check_key(key)}.json")
+        return self.object_name("_progress", check_name(dataset), f"{check_key(key)}.json")
 
     def put_progress(self, progress: TurnProgress) -> None:
         key = self._progress_key(progress.dataset, progress.key)
-        self._retry_conflict(lambda: self.bucket.put(key, _encoder.encode(progress)))
+        self.retry_conflict(lambda: self.bucket.put(key, encoder.encode(progress)))
 
     def progress(self, dataset: str, key: str) -> TurnProgress | None:
         got = self.bucket.get(self._progress_key(dataset, key))
@@ -397,32 +384,32 @@ class ObjectStore(Store):
         self.bucket.delete(self._progress_key(dataset, key))
 
     def progress_keys(self, dataset: str) -> set[str]:
-        base = self._key("_progress", check_name(dataset), "")
+        base = self.object_name("_progress", check_name(dataset), "")
         return {k[len(base):-5] for k in self.bucket.list(base) if k.endswith(".json")}
 
     # -- what only grows: one object per entry ---------------------------------------------
     def quarantine_location(self, dataset: str) -> str:
-        return f"s3://{self.bucket_name}/{self._key('_quarantine', check_name(dataset), '')}"
+        return f"s3://{self.bucket_name}/{self.object_name('_quarantine', check_name(dataset), '')}"
 
     def quarantined(self, dataset: str) -> Iterator[QuarantineEntry]:
-        found = self._documents(self._key("_quarantine", check_name(dataset), ""), _quarantine_decoder)
+        found = self._documents(self.object_name("_quarantine", check_name(dataset), ""), quarantine_decoder)
         yield from sorted(found, key=lambda e: (e.at, e.file, e.line or 0))
 
     def quarantine(self, dataset: str, entries: list[QuarantineEntry]) -> None:
         base = ("_quarantine", check_name(dataset))
         for e in entries:  # named by what identifies the rejection: a re-run's is the same object
-            name = hashlib.sha256(_encoder.encode(_quarantine_id(e))).hexdigest()
-            self._create_object(self._key(*base, f"{name}.json"), _encoder.encode(e))
+            name = hashlib.sha256(encoder.encode(quarantine_id(e))).hexdigest()
+            self.create_object(self.object_name(*base, f"{name}.json"), encoder.encode(e))
 
     def put_charge(self, charge: ChargeRecord) -> None:
-        self._create_object(self._key("_charges", f"{check_charge_id(charge.id)}.json"), _encoder.encode(charge))
+        self.create_object(self.object_name("_charges", f"{check_charge_id(charge.id)}.json"), encoder.encode(charge))
 
     def charges(self) -> list[ChargeRecord]:
-        return sorted(self._documents(self._key("_charges", ""), _charge_decoder), key=lambda c: c.id)
+        return sorted(self._documents(self.object_name("_charges", ""), charge_decoder), key=lambda c: c.id)
 
     def log(self, event: DatasetEvent) -> None:
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"
-        self._create_object(self._key("_log", check_name(event.dataset), name), _encoder.encode(event))
+        self.create_object(self.object_name("_log", check_name(event.dataset), name), encoder.encode(event))
 
     def events(self, dataset: str) -> list[DatasetEvent]:
-        return sorted(self._documents(self._key("_log", check_name(dataset), ""), _event_decoder), key=lambda e: e.at)
+        return sorted(self._documents(self.object_name("_log", check_name(dataset), ""), event_decoder), key=lambda e: e.at)

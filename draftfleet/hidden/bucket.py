@@ -25,11 +25,12 @@ from pathlib import Path
 
 import msgspec
 
-from draftfleet.hidden import (_FILE_RE, CONVERSATION, HIDDEN_DIR, MANIFEST, Hidden, HiddenStore, StoredFile,
-                               header_length, held_turns, parse_header, read_checked)
-from draftfleet.objectstore import READ_THREADS, ObjectStore
-from draftfleet.s3 import S3Error
-from draftfleet.schemas.records import CaptureManifest, turn_name
+from draftfleet.hidden.base import FILE_RE, HIDDEN_DIR, MANIFEST, Hidden, StoredFile, held_turns
+from draftfleet.hidden.folder import HiddenStore
+from draftfleet.hidden.format import header_length, parse_header, read_checked
+from draftfleet.store.bucket import READ_THREADS, ObjectStore
+from draftfleet.store.s3 import S3Error
+from draftfleet.schemas.records import CONVERSATION, CaptureManifest, turn_name
 from draftfleet.store import FILE_MODE, StoreError, check_key, check_name, make_dirs
 
 HEAD_READ = 16 << 10  # a header's first ranged GET: the connector's 4 KiB room and the tensor entries fit
@@ -46,7 +47,7 @@ class BucketHidden(Hidden):
         self.bucket = store.bucket
 
     def _dir(self, dataset: str, version: int) -> str:
-        return self.store._key(HIDDEN_DIR, check_name(dataset), f"v{int(version)}", "")
+        return self.store.object_name(HIDDEN_DIR, check_name(dataset), f"v{int(version)}", "")
 
     def object_key(self, dataset: str, version: int, key: str, turn: int) -> str:
         check_key(key)
@@ -59,7 +60,7 @@ class BucketHidden(Hidden):
         return self.bucket.exists(self.object_key(dataset, version, key, turn))
 
     def versions(self, dataset: str) -> list[int]:
-        base = self.store._key(HIDDEN_DIR, check_name(dataset), "")
+        base = self.store.object_name(HIDDEN_DIR, check_name(dataset), "")
         found = (_VERSION_RE.match(p[len(base):]) for p in self.bucket.list(base, delimiter="/"))
         return sorted(int(m.group(1)) for m in found if m and self.bucket.exists(
             f"{self._dir(dataset, int(m.group(1)))}{MANIFEST}"))
@@ -70,12 +71,12 @@ class BucketHidden(Hidden):
 
     def write_manifest(self, m: CaptureManifest) -> None:
         # The first manifest of a version stays: settings never change under its files.
-        self.store._create_object(f"{self._dir(m.dataset, m.version)}{MANIFEST}",
+        self.store.create_object(f"{self._dir(m.dataset, m.version)}{MANIFEST}",
                                   msgspec.json.format(msgspec.json.encode(m)))
 
     def put(self, dataset: str, version: int, key: str, turn: int, data: bytes) -> bool:
         """Write the unit's file once. True if this call stored it, False if it was there already."""
-        return self.store._create_object(self.object_key(dataset, version, key, turn), data)
+        return self.store.create_object(self.object_key(dataset, version, key, turn), data)
 
     def upload(self, dataset: str, version: int, key: str, turn: int, fd: int, *, digest: str | None = None,
                head: bytes | None = None, part_size: int | None = None) -> bool:
@@ -96,7 +97,7 @@ class BucketHidden(Hidden):
             sealed = (head, digest)
         writer = secrets.token_hex(16)  # one for every try of this upload (Bucket.put_file)
         try:
-            self.store._retry_conflict(lambda: self.bucket.put_file(name, fd, part_size=part_size, sealed=sealed,
+            self.store.retry_conflict(lambda: self.bucket.put_file(name, fd, part_size=part_size, sealed=sealed,
                                                                     writer=writer))
         except S3Error as exc:
             if exc.status == 412:
@@ -107,7 +108,7 @@ class BucketHidden(Hidden):
     def _listing(self, dataset: str, version: int) -> Iterator[tuple[str, int, str, int, float]]:
         """(unit key, turn, object key, size, mtime) of every stored file of a version."""
         for name, size, mtime in self.bucket.list_sharded(self._dir(dataset, version), sized=True):
-            m = _FILE_RE.match(name.rpartition("/")[2])
+            m = FILE_RE.match(name.rpartition("/")[2])
             if m:
                 turn = CONVERSATION if m.group(2) == "conversation" else int(m.group(2))
                 yield m.group(1), turn, name, size, mtime
