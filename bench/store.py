@@ -144,7 +144,7 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
         bucket = stores["bucket"]
         t0 = time.perf_counter()
         for i in range(blobs):
-            bucket.bucket.put(bucket._key("_blobs", f"{i}.bin"), blob, if_none_match=True)
+            bucket.bucket.put(bucket.object_name("_blobs", f"{i}.bin"), blob, if_none_match=True)
         blob_s["bucket"] = time.perf_counter() - t0
         cap_s, cap_sent, cap_stored = _capture_upload(bucket, work, capture_files, capture_mib)
 
@@ -154,7 +154,7 @@ def run(work: Path, *, records: int, tokens: int, blobs: int, listed: int, repea
         for name, s in stores.items():
             assert len(s.keys("big")) == listed
             list_s[name] = _best(lambda s=s: s.keys("big"), repeats)
-        base = bucket._key("big", "")
+        base = bucket.object_name("big", "")
         serial = lambda b: [k for k in b.list(base) if RECORD_RE.search(k)]  # noqa: E731
         assert sorted(serial(bucket.bucket)) == bucket.record_files("big")
         list_s["serial"] = _best(lambda: serial(bucket.bucket), repeats)

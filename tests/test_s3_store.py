@@ -468,7 +468,7 @@ def test_set_aside_never_deletes_a_record_written_after_its_copy(s3_env):
     a.bucket.copy = copy_then_b_moves_and_stores
     assert a.set_aside("ds", key) is None
     assert a.get("ds", key).text == "good"
-    aside = list(a.bucket.list(a._key("_unreadable", "ds", "")))
+    aside = list(a.bucket.list(a.object_name("_unreadable", "ds", "")))
     assert len(aside) == 1 and a.bucket.get(aside[0])[0] == b""  # b's copy; a's removed again
 
 

@@ -103,7 +103,7 @@ def test_a_new_version_is_exported_captured_and_counted_alone(tmp_path, redis_se
             hidden.put("ds", 1, rec.key, turn, encode_safetensors({"token_ids": ("I64", ids)},
                                                                   {"prompt_len": str(t.prompt_tokens)}, seal=True))
     def chosen(flags) -> list:  # the records an export of these flags takes, in its order
-        return sorted(filter(select(store, "ds", **dict(flags)).takes, store.records("ds")), key=features._order)
+        return sorted(filter(select(store, "ds", **dict(flags)).takes, store.records("ds")), key=features.export_order)
 
     rows = {flags: len(features._rows(hidden, chosen(flags), "ds", 1)[0])
             for flags in ((), (("version", 1),), (("all_versions", True),))}

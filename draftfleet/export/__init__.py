@@ -68,7 +68,7 @@ class ExportManifest(msgspec.Struct, kw_only=True):
     notes: list[str] = []
 
 
-def _order(rec: ResponseRecord) -> tuple[str, int, str]:
+def export_order(rec: ResponseRecord) -> tuple[str, int, str]:
     m = _SOURCE.match(rec.source)
     return (m.group(1), int(m.group(2)), rec.key) if m else (rec.source, 0, rec.key)
 
@@ -119,7 +119,7 @@ def _notes(kept: list[ResponseRecord], without_system: int, reasoning: str | Non
     return notes
 
 
-def _selection(store: Store, dataset: str, version: int | None, all_versions: bool) -> Selection:
+def selection(store: Store, dataset: str, version: int | None, all_versions: bool) -> Selection:
     try:
         return select(store, dataset, version, all_versions)
     except VersionError as exc:
@@ -138,7 +138,7 @@ def export_dataset(store: Store, dataset: str, out_dir: str | Path, formats: lis
         raise ExportError(f"unknown format(s) {sorted(unknown)}: choose from {', '.join(FORMATS)}")
     if "tokens" in formats and tokenizer is None:
         raise ExportError("the tokens format needs the target tokenizer ([fleet].tokenizer or --tokenizer)")
-    chosen = _selection(store, dataset, version, all_versions)
+    chosen = selection(store, dataset, version, all_versions)
     records, unreadable, others = [], 0, 0
     for _name, data in store.read_many(store.record_files(dataset)):
         try:
@@ -152,7 +152,7 @@ def export_dataset(store: Store, dataset: str, out_dir: str | Path, formats: lis
             records.append(rec)
         else:
             others += 1
-    records.sort(key=_order)
+    records.sort(key=export_order)
     kept, trunc, invalid = [], 0, 0
     for rec in records:
         if exclude_truncated and rec.truncated:

@@ -41,7 +41,7 @@ from pathlib import Path
 import msgspec
 
 from draftfleet.conversation import record_turns
-from draftfleet.export import ExportError, _order, _selection
+from draftfleet.export import ExportError, export_order, selection
 from draftfleet.export import specforge, speculators, torch_files
 from draftfleet.hidden import (CONVERSATION, HIDDEN_DIR, HiddenStore, Spans, TargetModel, encode_safetensors, file_spans,
                                loss_mask, open_hidden, read_checked)
@@ -180,13 +180,13 @@ def export_features(store: Store, dataset: str, out_dir: str | Path, formats: li
     From a store in a bucket the files are first downloaded to ``<out>/.cache/_hidden`` (both
     trainers open local paths only; ops/scaling.md), resumably, ``fetching(bytes, total)`` told as
     they arrive; the export then reads and links those copies as a folder store's."""
-    chosen = _selection(store, dataset, records_version, all_versions)
+    chosen = selection(store, dataset, records_version, all_versions)
     hidden = open_hidden(store)
     m = hidden.manifest(dataset, version)
     if m is None:
         raise ExportError(f"{dataset}: no captured hidden states" + (f" in version {version}" if version else "")
                           + ": run draftfleet capture and a capture worker first")
-    records = sorted(filter(chosen.takes, store.records(dataset)), key=_order)
+    records = sorted(filter(chosen.takes, store.records(dataset)), key=export_order)
     if not hidden.local:
         hidden = hidden.download(dataset, m.version, Path(out_dir) / CACHE / HIDDEN_DIR, fetching,
                                  keys={rec.key for rec in records})
