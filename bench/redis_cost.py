@@ -65,6 +65,7 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
             p.wait_ready()
         r.config_resetstat()
         cpu0 = _cpu(r)
+        early = len(store.keys(DATASET))  # stored by a worker ready before the others: not in the figures
         start = time.perf_counter()
         wait_for(lambda: len(store.keys(DATASET)) >= n, 900, f"{n} results (worker logs in {folder})", 0.2)
         # what the last tasks still do after their record is stored (count, release, ack)
@@ -77,7 +78,7 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
             p.stop()
     stats.pop("CONFIG", None)
     stats.pop("INFO", None)
-    return {"n": n, "wall_s": wall, "stats": stats, "cpu_s": cpu}
+    return {"n": n - early, "wall_s": wall, "stats": stats, "cpu_s": cpu}
 
 
 def run(work: Path, *, tasks: int, workers: list[int], inflight: int) -> Section:
@@ -113,8 +114,8 @@ def run(work: Path, *, tasks: int, workers: list[int], inflight: int) -> Section
     details += ["", f"{tasks} prompts queued first, then drained by {', '.join(map(str, workers))} `draftfleet worker "
                 f"gpu` process(es) at --inflight {inflight}, against an emulator that answers at once (20–60 "
                 "tokens); the dataset has a budget, so every task is admitted. `INFO commandstats` after `CONFIG "
-                "RESETSTAT` (taken once the workers were ready), divided by the results stored: what the workers "
-                "asked, their idle loops included. Commands run by a script count apiece.",
+                "RESETSTAT` (taken once the workers were ready), divided by the results stored since: what the "
+                "workers asked, their idle loops included. Commands run by a script count apiece.",
                 f"The ceiling: at {usec:.0f} µs of Redis CPU a result, one Redis core serves about "
                 f"{1e6 / usec:,.0f} results/s; GPUs making 25 results/s each (5,000 tok/s, 200-token answers) fill "
                 f"it at about {1e6 / usec / 25:,.0f} GPUs."]
