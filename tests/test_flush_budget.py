@@ -59,6 +59,14 @@ def _settled(r, dataset: str) -> bool:
             and not list(r.scan_iter(rk.claim(dataset, "*"))))
 
 
+def _until_closed_and_capped(r, ledger: Ledger, workers) -> None:
+    """Wait until ``bud`` has closed at its budget and settled, and the cloud worker has stopped at its cap."""
+    wait_until(lambda: ledger.closed_at("bud") is not None and _settled(r, "bud"), 120, 0.2,
+               lambda: f"bud to close at its budget\n{workers.logs()}")
+    wait_until(lambda: workers.logs(tail=None).count("spend_cap") >= 1 and not list(r.scan_iter(rk.claim("paid", "*"))),
+               60, 0.2, lambda: f"the cloud worker to stop at its cap\n{workers.logs()}")
+
+
 def _config(tmp_path, tokenizer_dir, emu, location, prompts: int):
     bud = write_jsonl(tmp_path / "bud.jsonl", _chat_rows(prompts, "bud"))
     paid = write_jsonl(tmp_path / "paid.jsonl", _chat_rows(60, "paid"))
@@ -83,10 +91,7 @@ def test_a_flush_after_the_budget_closed_and_the_cap_was_reached_spends_nothing_
     ledger = Ledger(r)
     first = _enqueue(config, env)
     assert (first["bud"]["queued"], first["paid"]["queued"]) == (400, 60)
-    wait_until(lambda: ledger.closed_at("bud") is not None and _settled(r, "bud"), 120, 0.2,
-               lambda: f"bud to close at its budget\n{workers.logs()}")
-    wait_until(lambda: workers.logs(tail=None).count("spend_cap") >= 1 and not list(r.scan_iter(rk.claim("paid", "*"))),
-               60, 0.2, lambda: f"the cloud worker to stop at its cap\n{workers.logs()}")
+    _until_closed_and_capped(r, ledger, workers)
     store = open_store(location)
     bud_before, paid_before = len(store.keys("bud")), len(store.keys("paid"))
     tokens_before, _ = _spent(store, "bud")
@@ -162,10 +167,7 @@ def test_tasks_that_reach_the_workers_before_any_rebuild_are_not_admitted_on_los
     workers.start(config, "gpu", "--url", emu.url, "--dataset", "bud", redis_url=redis_server.url)
     cloud = workers.start(config, "cloud", "--backend", "cloudy", "--dataset", "paid", redis_url=redis_server.url,
                           env=KEY_ENV)
-    wait_until(lambda: ledger.closed_at("bud") is not None and _settled(r, "bud"), 120, 0.2,
-               lambda: f"bud to close at its budget\n{workers.logs()}")
-    wait_until(lambda: workers.logs(tail=None).count("spend_cap") >= 1 and not list(r.scan_iter(rk.claim("paid", "*"))),
-               60, 0.2, lambda: f"the cloud worker to stop at its cap\n{workers.logs()}")
+    _until_closed_and_capped(r, ledger, workers)
     store = open_store(location)
     bud_before, paid_before = len(store.keys("bud")), len(store.keys("paid"))
 
