@@ -96,6 +96,7 @@ class Reconciler:
         self.ledger = Ledger(r)
         self._cache: dict[tuple[str, str], _Figures] = {}
         self._mark_built = r.register_script(_MARK_BUILT)
+        self.rebuilt_records = 0  # stored records the last rebuild counted (none on a new fleet's store)
 
     def _read(self, dataset: str, keys: set[str], unreadable: list[str],
               broken: set[str] | None = None) -> dict[str, _Figures]:
@@ -258,7 +259,8 @@ class Reconciler:
         before anything is admitted: the flush loses the work in flight, never the budget."""
         time.sleep(lost_claims_settle_s(self.r))
         stamp = self.r.get(rk.STATE)
-        self.reconcile_all()
+        drifts = self.reconcile_all()
+        self.rebuilt_records = sum(d.newly_counted for d in drifts)
         for dataset in self.store.datasets():
             manifest = self.store.manifest(dataset)
             if manifest is not None and manifest.budget_tokens is not None:
@@ -279,10 +281,12 @@ def ensure_counters(store: Store, r: redis.Redis, *, wait: bool) -> bool:
             keeper = threading.Thread(target=_keep_lock, args=(r, token, done), name="draftfleet-rebuild", daemon=True)
             keeper.start()
             try:
-                log.warning("the counters are not the store's (Redis lost its data, or is new): rebuilding them "
-                            "from %s before admitting any budget or spend", store.location)
-                if Reconciler(store, r).rebuild():
-                    log.warning("counters rebuilt from %s", store.location)
+                log.info("the counters are not the store's (Redis lost its data, or is new): rebuilding them "
+                         "from %s before admitting any budget or spend", store.location)
+                rebuilder = Reconciler(store, r)
+                if rebuilder.rebuild() and rebuilder.rebuilt_records:  # a new fleet's empty store says nothing
+                    log.warning("Redis had lost the counters: rebuilt from %s (%d stored records counted again) "
+                                "before admitting any budget or spend", store.location, rebuilder.rebuilt_records)
             finally:
                 done.set()
                 keeper.join()
