@@ -261,7 +261,7 @@ class Reconciler:
         stamp = self.r.get(rk.STATE)
         drifts = self.reconcile_all()
         self.rebuilt_records = sum(d.newly_counted for d in drifts)
-        for dataset in self.store.datasets():
+        for dataset in (d.dataset for d in drifts):  # the datasets the pass just listed: not listed again
             manifest = self.store.manifest(dataset)
             if manifest is not None and manifest.budget_tokens is not None:
                 self.ledger.restore(dataset, manifest.settings.max_tokens)

@@ -32,9 +32,7 @@ from draftfleet.workers.backends import Backend, Halt
 log = logging.getLogger("draftfleet.worker")
 
 ASSIGNMENT_POLL_S = 1.0
-
 ADMISSION_WAIT_S = 1.0
-
 IDLE_QUEUE = rk.QUEUE_PREFIX + "_idle"
 
 
