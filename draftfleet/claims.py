@@ -65,10 +65,12 @@ class Claims:
         self._report: WorkerReport | None = None  # the report last published
         self._withdrawn = False  # stopped cleanly: no beat still under way brings the report back
 
-    def acquire(self, key: str, dataset: str) -> str | None:
-        """Claim ``key`` for one task of ``dataset``: its token, or None when another task holds it."""
+    def acquire(self, key: str, dataset: str, take: Callable[[str], bool] | None = None) -> str | None:
+        """Claim ``key`` for one task of ``dataset``: its token, or None when another task holds it.
+        ``take(token)`` claims it in Redis when that is part of a larger step (the ledger's
+        claim and admission in one round trip); else a ``SET NX`` with the TTL."""
         token = f"{self.token}:{secrets.token_hex(6)}"
-        if not self.r.set(key, token, nx=True, ex=CLAIM_TTL_S):
+        if not (take(token) if take is not None else self.r.set(key, token, nx=True, ex=CLAIM_TTL_S)):
             return None
         with self._lock:
             self._held.add((key, token))
@@ -80,6 +82,19 @@ class Claims:
             self._held.discard((key, token))
             self.inflight[dataset] -= 1
         self._delete([(key, token)])
+
+    def finish(self, dataset: str) -> None:
+        """A task of ``dataset`` ended with its result handed to the tally (workers/tally.py): it
+        runs no more, but its claim stays held, and refreshed, until the tally's batch releases it
+        in Redis (then :meth:`forget`)."""
+        with self._lock:
+            self.inflight[dataset] -= 1
+
+    def forget(self, claims: list[tuple[str, str]]) -> None:
+        """(claim key, token) pairs released in Redis by a larger step (the tally's batch): no
+        longer held, so no beat refreshes them again."""
+        with self._lock:
+            self._held.difference_update(claims)
 
     def running(self) -> dict[str, int]:
         """The datasets with tasks running now, and how many (a worker report's ``inflight``)."""

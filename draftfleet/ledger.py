@@ -47,8 +47,8 @@ import msgspec
 import redis
 
 from draftfleet import redis_keys as rk
-from draftfleet.ledger_scripts import (ADMIT, BUDGET_FIELDS, CHARGE, COUNT_ONCE, DROP_DEAD, PREPAY, PURGE,
-                                       REBUILD_PAID, RELEASE, RESTORE)
+from draftfleet.ledger_scripts import (ADMIT, BUDGET_FIELDS, CHARGE, CLAIM_ADMIT, COUNT_BATCH, COUNT_ONCE, DROP_DEAD,
+                                       PREPAY, PURGE, REBUILD_PAID, RELEASE, RESTORE)
 from draftfleet.schemas.records import ChargeRecord, ResponseRecord
 
 RATE_BUCKET_S = 10
@@ -61,6 +61,7 @@ RECHECK_MS = 30_000
 
 # LOST: the counters are not known to be the store's (``rk.COUNTERS_BUILT`` is gone): rebuild them first.
 ADMITTED, WAIT, REFUSED, CLOSED, LOST = 1, 2, 0, -1, -2
+CLAIMED = -3  # claim_admit: another task holds the key's claim (nothing reserved)
 
 
 class BudgetUse(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +125,11 @@ class Ledger:
         self._rebuild_paid = client.register_script(REBUILD_PAID)
         self._charge = client.register_script(CHARGE)
         self._restore = client.register_script(RESTORE)
+        self._claim_admit = client.register_script(CLAIM_ADMIT)
+        self._count_batch = client.register_script(COUNT_BATCH)
+        # dataset -> (responses, completion_tokens) as the last claim_admit read them: the running
+        # mean the next reservation is taken from, with no read of its own (worker_reservation)
+        self._seen: dict[str, tuple[int, int]] = {}
 
     # -- counting --------------------------------------------------------------------------
     def count(self, record: ResponseRecord, now: float | None = None, *, rate: bool = True) -> bool:
@@ -155,6 +161,33 @@ class Ledger:
                   int(getattr(record, "cost_source", "none") == "provider"), *(micro_usd(t.cost_usd) for t in turns)],
         )
         return bool(added)
+
+    def count_batch(self, results: list[tuple[ResponseRecord, str]], now: float | None = None) -> int:
+        """Count many stored single-answer records in one step (``COUNT_BATCH``), each as
+        :meth:`count` with ``rate=True`` does, and release each one's claim under its token:
+        ``results`` is (record, claim token) in the order they were stored, all of one backend.
+        How many were newly counted. The counters are written once per batch and dataset, not
+        once per record: what a stored result costs the shared Redis (issue 32)."""
+        if not results:
+            return 0
+        backend = results[0][0].backend
+        bucket = int((now or time.time()) // RATE_BUCKET_S)
+        groups: dict[str, list] = {}
+        for record, token in results:
+            if record.backend != backend or getattr(record, "turns", None):
+                raise ValueError("count_batch takes single answers of one backend")
+            end_ms = int(record.created_at * 1000)
+            groups.setdefault(record.dataset, []).append([
+                record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd),
+                int(record.latency_s * 1000), end_ms, end_ms - int(record.latency_s * 1000),
+                int(record.cost_source == "provider"), token, int(record.truncated)])
+        keys = [rk.spend(backend)]
+        for dataset in groups:
+            keys += [rk.counted_set(dataset), rk.totals(dataset, backend), rk.dataset_totals(dataset),
+                     rk.reservations(dataset), *self._reservation_index(dataset), rk.rate(dataset, backend, bucket),
+                     rk.events(dataset)]
+        body = msgspec.json.encode([[rk.claim(d, ""), recs] for d, recs in groups.items()])
+        return int(self._count_batch(keys=keys, args=[RATE_KEEP_S, body]))
 
     def prepay(self, dataset: str, key: str, turn: int, backend: str, cost_usd: float, tokens: int,
                *, paid_now: bool = True) -> bool:
@@ -235,6 +268,31 @@ class Ledger:
                   *self._reservation_index(dataset), rk.DATASETS, rk.COUNTERS_BUILT],
             args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset, token],
         ))
+
+    def claim_admit(self, dataset: str, key: str, token: str, ttl_s: int, budget: int, expected: int,
+                    max_tokens: int) -> int:
+        """Claim ``key`` under ``token`` (``SET NX EX ttl_s``) and admit it, in one round trip:
+        CLAIMED when another task holds the claim (nothing reserved), else :meth:`admit`'s verdict
+        with the claim held (the caller releases it, as after ``acquire``). Keeps the counters it
+        read for the next :meth:`worker_reservation`."""
+        out = self._claim_admit(
+            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
+                  *self._reservation_index(dataset), rk.DATASETS, rk.COUNTERS_BUILT],
+            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset, token,
+                  ttl_s],
+        )
+        if len(out) == 3:
+            self._seen[dataset] = (int(out[1]), int(out[2]))
+        return int(out[0])
+
+    def worker_reservation(self, dataset: str, max_tokens: int) -> int:
+        """:meth:`reservation` for a new single answer, from the counters the last
+        :meth:`claim_admit` read (one admission old: the running mean moves by one response at
+        most), read afresh only the first time."""
+        seen = self._seen.get(dataset)
+        if seen is None:
+            return self.reservation(dataset, max_tokens)
+        return reservation(seen[0], seen[1], max_tokens)
 
     @staticmethod
     def _reservation_index(dataset: str) -> list[str]:

@@ -35,6 +35,13 @@ local function save(agg, A)
   if A.n <= 0 then redis.call('DEL', agg) return end
   redis.call('HSET', agg, 'n', A.n, 'ey', A.ey, 'no', A.no, 'so', A.so, 'co', A.co, 'cc', A.cc, 't0', A.t0)
 end
+-- take a parsed entry's share out of A (its entry is deleted by the caller)
+local function share_out(A, e, s, st, c)
+  A.n = A.n - 1
+  if st == 'y' then A.ey = A.ey - e
+  elseif st == 'o' then A.no = A.no - 1 A.so = A.so - (s - A.t0) A.co = A.co - c
+  else A.cc = A.cc - c end
+end
 local function settle(res, due, A, k, token)
   local v = redis.call('HGET', res, k)
   if not v then return 0 end  -- (a due entry left without its reservation is dropped when due)
@@ -43,10 +50,7 @@ local function settle(res, due, A, k, token)
   redis.call('HDEL', res, k)
   redis.call('ZREM', due, k)
   if not st then return 0 end  -- not an entry of this format: it has no share in the aggregates
-  A.n = A.n - 1
-  if st == 'y' then A.ey = A.ey - e
-  elseif st == 'o' then A.no = A.no - 1 A.so = A.so - (s - A.t0) A.co = A.co - c
-  else A.cc = A.cc - c end
+  share_out(A, e, s, st, c)
   return 1
 end
 local function settle_one(res, due, agg, k, token)
@@ -99,6 +103,103 @@ if #KEYS > 8 then  -- the conversation's paid turns are in its record's count no
   redis.call('DEL', KEYS[9])
   redis.call('SREM', KEYS[10], ARGV[1])
 end
+return added
+"""
+
+# Counting a worker's stored results in batches (workers/tally.py): what COUNT_ONCE does for one
+# record, done for many in one step, with the counters written once per batch (not once per record
+# and field: the per-record HINCRBY loop was most of what a result cost the shared Redis), and each
+# result's claim released in the same step. Single answers only (a conversation's turns go through
+# COUNT_ONCE, for its paid marks).
+# KEYS[1] = the backend's spend; then 8 keys per dataset: counted set, totals(dataset, backend),
+# dataset totals, reservations, due index, aggregates, the rate bucket, events.
+# ARGV[1] = RATE_KEEP_S; ARGV[2] = cjson, per dataset: {claim key prefix, records}, each record
+# [key, prompt, completion, micro_usd, latency_ms, end_ms, start_ms, provider (0/1), claim token,
+# truncated (0/1)], in the order they were stored (the busy-time union runs in that order).
+# Returns how many records were newly counted.
+COUNT_BATCH = SETTLE + """
+local groups = cjson.decode(ARGV[2])
+local spend, added = 0, 0
+for g, grp in ipairs(groups) do
+  local o = 1 + (g - 1) * 8
+  local cset, tot, dst, res, due, agg, rate, events =
+    KEYS[o + 1], KEYS[o + 2], KEYS[o + 3], KEYS[o + 4], KEYS[o + 5], KEYS[o + 6], KEYS[o + 7], KEYS[o + 8]
+  local recs, ks, first = grp[2], {}, {}
+  for _, r in ipairs(recs) do
+    if not first[r[1]] then first[r[1]] = true ks[#ks + 1] = r[1] end
+  end
+  -- settle each key's reservation, whichever copy took it (as COUNT_ONCE): one read, one delete
+  local A, dirty, gone = load(agg), false, {}
+  for i, v in ipairs(redis.call('HMGET', res, unpack(ks))) do
+    if v then
+      gone[#gone + 1] = ks[i]
+      local e, s, st, c = parse(v)
+      if st then share_out(A, e, s, st, c) dirty = true end
+    end
+  end
+  if #gone > 0 then redis.call('HDEL', res, unpack(gone)) end
+  redis.call('ZREM', due, unpack(ks))
+  if dirty then save(agg, A) end
+  -- count once: only the keys not counted yet (one check, one add)
+  local known, new = redis.call('SMISMEMBER', cset, unpack(ks)), {}
+  for i, k in ipairs(ks) do if known[i] == 0 then new[k] = true end end
+  local n, pt, ct, cost, lat, sq, ptok, pcost, rt, trunc = 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+  local busy_until = tonumber(redis.call('HGET', tot, 'busy_until_ms') or '0')
+  local busy_ms, busy_tokens, busy_moved, fresh = 0, 0, false, {}
+  for _, r in ipairs(recs) do
+    if new[r[1]] then
+      new[r[1]] = nil
+      fresh[#fresh + 1] = r[1]
+      local c = tonumber(r[3])
+      n = n + 1 pt = pt + r[2] ct = ct + c cost = cost + r[4] lat = lat + r[5] sq = sq + c * c
+      if r[8] == 1 then ptok = ptok + c pcost = pcost + r[4] end
+      if r[10] == 1 then trunc = trunc + 1 end
+      local e, s = r[6], r[7]
+      if e > 0 then  -- a rate sample: the 10-second bucket, and the backend's busy time (the union)
+        rt = rt + c
+        if e > busy_until then busy_ms = busy_ms + e - math.max(s, busy_until) busy_until = e busy_moved = true end
+        busy_tokens = busy_tokens + c
+      end
+    end
+  end
+  if n > 0 then
+    redis.call('SADD', cset, unpack(fresh))
+    for _, h in ipairs({tot, dst}) do
+      redis.call('HINCRBY', h, 'responses', n)
+      redis.call('HINCRBY', h, 'prompt_tokens', pt)
+      redis.call('HINCRBY', h, 'completion_tokens', ct)
+      redis.call('HINCRBY', h, 'cost_micro_usd', cost)
+    end
+    redis.call('HINCRBY', dst, 'latency_ms', lat)
+    redis.call('HINCRBY', dst, 'completion_tokens_sq', sq)
+    if ptok > 0 or pcost > 0 then
+      redis.call('HINCRBY', tot, 'provider_tokens', ptok)
+      redis.call('HINCRBY', tot, 'provider_cost_micro_usd', pcost)
+    end
+    if busy_tokens > 0 then
+      redis.call('HINCRBY', rate, 'completion_tokens', rt)
+      redis.call('HINCRBY', rate, 'responses', n)
+      redis.call('EXPIRE', rate, ARGV[1])
+      if busy_moved then
+        redis.call('HINCRBY', tot, 'busy_ms', busy_ms)
+        redis.call('HSET', tot, 'busy_until_ms', busy_until)
+      end
+      redis.call('HINCRBY', tot, 'busy_tokens', busy_tokens)
+    end
+    if trunc > 0 then redis.call('HINCRBY', events, 'truncated', trunc) end
+    spend = spend + cost
+    added = added + n
+  end
+  -- release each record's claim, only under its own token (one read, one delete)
+  local names = {}
+  for i, r in ipairs(recs) do names[i] = grp[1] .. r[1] end
+  local mine = {}
+  for i, holder in ipairs(redis.call('MGET', unpack(names))) do
+    if holder == recs[i][9] then mine[#mine + 1] = names[i] end
+  end
+  if #mine > 0 then redis.call('DEL', unpack(mine)) end
+end
+redis.call('HINCRBY', KEYS[1], 'cost_micro_usd', spend)
 return added
 """
 
@@ -174,17 +275,22 @@ if st and redis.call('GET', ARGV[2] .. ARGV[1]) == tok then return 0 end
 return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 """
 
-ADMIT = SETTLE + """
+_ADMIT_BODY = """
+local seen = nil  -- the dataset's {responses, completion_tokens} as admission read them
+local function admit()
 local res, due, agg = KEYS[2], KEYS[5], KEYS[6]
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 -- counters not rebuilt from the store since Redis lost them (or was new): admit nothing on them
 if redis.call('EXISTS', KEYS[8]) == 0 then return -2 end
-local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms')
+-- one read of the dataset's counters: the mean and spread, and what the budget has spent
+-- (BUDGET_FIELDS: the counted records' tokens, the paid turns of conversations not stored)
+local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms',
+                     @BUDGET_FIELDS@)
 local counted, responses = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local sq, latency_ms = tonumber(f[3] or '0'), tonumber(f[4] or '0')
--- what the budget has spent (BUDGET_FIELDS: the counted records, the paid turns of conversations not stored)
+seen = {responses, counted}
 local committed = 0
-for _, v in ipairs(redis.call('HMGET', KEYS[1], @BUDGET_FIELDS@)) do committed = committed + tonumber(v or '0') end
+for i = 5, #f do committed = committed + tonumber(f[i] or '0') end
 local budget, expect, cap_tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
 local token = ARGV[9]
 -- the budget enqueue published last (assign.py) wins over the caller's, which may be a second old
@@ -283,7 +389,21 @@ end
 redis.call('HSET', KEYS[4], 'cap', math.floor(math.max(room / 2, expect)), 'admitted', expect)
 take()
 return done(1)
+end
 """.replace("@BUDGET_FIELDS@", ", ".join(f"'{f}'" for f in BUDGET_FIELDS))
+
+ADMIT = SETTLE + _ADMIT_BODY + "return admit()"
+
+# The claim and the admission in one step (one round trip where there were two): the key's claim
+# under ARGV[9] (SET NX EX ARGV[10]), then admission as ADMIT; -3 when another task holds the claim
+# (nothing reserved). Also returns the dataset's responses and completion tokens as admission read
+# them, the running mean the worker reserves from next time (no read of its own).
+CLAIM_ADMIT = SETTLE + _ADMIT_BODY + """
+if not redis.call('SET', ARGV[4] .. ARGV[1], ARGV[9], 'NX', 'EX', ARGV[10]) then return {-3} end
+local verdict = admit()
+if seen then return {verdict, seen[1], seen[2]} end
+return {verdict}
+"""
 
 # Empty a closed dataset's queue, unless an enqueue reopened it meanwhile (its new tasks stay),
 # but for the conversations with paid turns (in paid_keys): each comes once more, to be stopped

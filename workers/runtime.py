@@ -20,14 +20,15 @@ from celery import Celery
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
-from draftfleet.claims import Claims
+from draftfleet.claims import CLAIM_TTL_S, Claims
 from draftfleet.identity import task_problem
-from draftfleet.ledger import Ledger
+from draftfleet.ledger import CLAIMED, Ledger
 from draftfleet.reconcile import ensure_counters
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import ChargeRecord, GenerationSettings, PromptTask, WorkerReport
+from draftfleet.schemas.records import ChargeRecord, GenerationSettings, PromptTask, ResponseRecord, WorkerReport
 from draftfleet.store import Store, new_charge_id
 from draftfleet.workers.backends import Backend, Halt
+from draftfleet.workers.tally import Tally
 
 log = logging.getLogger("draftfleet.worker")
 
@@ -52,6 +53,7 @@ class Runtime:
         self.datasets = datasets
         self.pause_s = pause_s
         self.claims = Claims(r, hostname)
+        self.tally = Tally(self.ledger, self.claims)
         self._lock = threading.Lock()
         self.paused: str | None = None
         self._stop = threading.Event()
@@ -94,8 +96,27 @@ class Runtime:
         """Claim the task's key; returns the claim's token (one per task), None if a twin holds it."""
         return self.claims.acquire(rk.claim(task.dataset, task.key), task.dataset)
 
+    def claim_admit(self, task: PromptTask, budget: int) -> tuple[str | None, int | None]:
+        """Claim a single answer's key and reserve its budget in one round trip
+        (``Ledger.claim_admit``): (the claim's token, None when a twin holds it; the verdict)."""
+        verdict: int | None = None
+        max_tokens = task.settings.max_tokens
+
+        def take(token: str) -> bool:
+            nonlocal verdict
+            verdict = self.ledger.claim_admit(task.dataset, task.key, token, CLAIM_TTL_S, budget,
+                                              self.ledger.worker_reservation(task.dataset, max_tokens), max_tokens)
+            return verdict != CLAIMED
+
+        return self.claims.acquire(rk.claim(task.dataset, task.key), task.dataset, take), verdict
+
     def release(self, task: PromptTask, token: str) -> None:
         self.claims.release(rk.claim(task.dataset, task.key), task.dataset, token)
+
+    def finish(self, record: ResponseRecord, token: str) -> None:
+        """The stored single answer is counted, its reservation settled and its claim released
+        in the tally's next batch (workers/tally.py)."""
+        self.tally.add(record, rk.claim(record.dataset, record.key), token)
 
     def _beat(self) -> None:
         """A heartbeat every HEARTBEAT_S, at once when Redis lost its state (``Claims.beat_until``)."""
@@ -112,6 +133,7 @@ class Runtime:
 
     def start(self) -> None:
         self.heartbeat()
+        self.tally.start()
         threading.Thread(target=self._beat, name="draftfleet-heartbeat", daemon=True).start()
 
     def attach(self, consumer) -> None:
@@ -126,6 +148,7 @@ class Runtime:
 
     def stop(self) -> None:
         self._stop.set()
+        self.tally.close()  # what this worker stored is counted before it goes
         self.claims.withdraw()
 
     # -- consuming: assignment and pauses --------------------------------------------------

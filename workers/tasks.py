@@ -176,7 +176,8 @@ def _store(rt: Runtime, record: ResponseRecord) -> bool:
     return False
 
 
-def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1, turns: int = 1) -> bool:
+def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1, turns: int = 1,
+           verdict: int | None = None) -> bool:
     """Reserve the dataset's expected tokens; False once its budget is reached (task skipped).
 
     A conversation reserves for the ``turns_left`` of its ``turns`` still to come: the dataset's
@@ -189,8 +190,10 @@ def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1, turns
     budget = rt.budgets.get(task.dataset)
     if budget is None:
         return True
-    expected = rt.ledger.reservation(task.dataset, task.settings.max_tokens, turns, turns_left)
-    verdict = rt.ledger.admit(task.dataset, task.key, token, budget, expected, task.settings.max_tokens * turns_left)
+    if verdict is None:  # not taken with the claim (Runtime.claim_admit): admit now
+        expected = rt.ledger.reservation(task.dataset, task.settings.max_tokens, turns, turns_left)
+        verdict = rt.ledger.admit(task.dataset, task.key, token, budget, expected,
+                                  task.settings.max_tokens * turns_left)
     if verdict == LOST and rt.counters_known():  # rebuilt from the store just now: admission runs on them
         expected = rt.ledger.reservation(task.dataset, task.settings.max_tokens, turns, turns_left)
         verdict = rt.ledger.admit(task.dataset, task.key, token, budget, expected,
@@ -293,20 +296,27 @@ def execute(task_self, payload: object) -> str:
         return _dead_letter(rt, payload, f"not a valid task: {exc}", queue)
     if (problem := rt.refuse(task, queue)) is not None:
         return _dead_letter(rt, payload, problem, queue)
-    if rt.store.has(task.dataset, task.key) and (done := _count_existing(rt, task, set_aside=False)):
-        return done
     if task.dataset not in rt.allowed:
         # Drained or pivoted away from this kind: back to the queue, not started.
         raise Reject(f"{task.dataset} is not assigned to {rt.kind} workers", requeue=True)
-    token = rt.acquire(task)
+    # A single answer with a budget is claimed and admitted in one round trip; a conversation
+    # reserves for the turns it has left, known from its kept progress, read under its claim.
+    budget = rt.budgets.get(task.dataset)
+    verdict = None
+    if budget is not None and task.settings.turns != "all":
+        token, verdict = rt.claim_admit(task, budget)
+    else:
+        token = rt.acquire(task)
     if token is None:
         return _defer(task_self, task)
+    handed = False  # to the tally, which releases the claim and the reservation with the count
     try:
-        # finished by a twin between our check and claim (or unreadable: set aside, generated)
+        # The one look at the store, under the claim: stored already (a redelivery, or a twin
+        # that finished before our claim), or unreadable (set aside, generated again).
         if rt.store.has(task.dataset, task.key) and (done := _count_existing(rt, task, set_aside=True)):
             return done
         turns, done = answers(task), _progress(rt, task)
-        if not _admit(rt, task, token, turns - len(done), turns):
+        if not _admit(rt, task, token, turns - len(done), turns, verdict):
             if not done:
                 return "skipped"
             # The budget stops a conversation some turns of which are paid. It has no result yet: its
@@ -336,18 +346,23 @@ def execute(task_self, payload: object) -> str:
             if not record.turns:
                 rt.charge(task, record.backend, record.cost_usd, "twin_stored")
             return _count_existing(rt, task, set_aside=False) or "duplicate"
-        rt.ledger.count(record)
-        if record.truncated:
-            rt.ledger.event(task.dataset, "truncated")
+        if record.turns:
+            rt.ledger.count(record)
+            if record.truncated:
+                rt.ledger.event(task.dataset, "truncated")
+        else:  # counted with the worker's next batch, its event too (workers/tally.py)
+            rt.finish(record, token)
+            handed = True
         log.info("stored %s %s: %d tokens from %s in %.2fs (%s, attempt %d%s)", task.dataset, task.source,
                  record.completion_tokens, record.backend, record.latency_s, record.finish_reason, record.attempts,
                  f", {len(record.turns)} turns" if record.turns else "")
         return "stored"
     finally:
-        try:
-            rt.ledger.release(task.dataset, task.key, token)
-        finally:  # also when Redis is away: a claim left in our set would be refreshed forever
-            rt.release(task, token)
+        if not handed:
+            try:
+                rt.ledger.release(task.dataset, task.key, token)
+            finally:  # also when Redis is away: a claim left in our set would be refreshed forever
+                rt.release(task, token)
 
 
 def register(app: Celery) -> None:

@@ -1,0 +1,125 @@
+"""Counting a worker's stored results in batches: one step in Redis per batch, not three per result.
+
+Why. One Redis serves the whole fleet, and what a stored result costs it bounds how many GPUs it
+serves (issue 32, ops/scaling.md). Counted one at a time, a result cost a script with a dozen
+counter writes, a second to settle its budget reservation and a third to release its claim. The
+tally gathers what the worker stores over ``LINGER_S`` (at most ``MOST`` results) and counts it
+with one ``COUNT_BATCH``: each result counted once, its reservation settled and its claim
+released in that step, the counters written once per batch.
+
+What stays true. A result is still counted only once it is stored, but no longer before its
+message is acknowledged: the task returns at once (its slot takes the next prompt), and its claim
+and reservation stay held, refreshed by the heartbeat, until the batch lands, so a budget never
+sees less in flight than there is and a twin waits. A worker killed before its batch lands leaves
+records stored and not counted: the reconciler counts them, as it counts any record the store has
+and Redis lacks, and their claims and reservations lapse. A clean stop counts what is pending
+first. While Redis is away a batch waits and is tried again. A paid result (a cloud answer) is
+counted at once, through the same script, so that a spend cap sees it before the worker's next
+request; so is every result of a runtime that was never started (a task run in-process).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from draftfleet.claims import Claims
+from draftfleet.ledger import Ledger
+from draftfleet.schemas.records import ResponseRecord
+
+log = logging.getLogger("draftfleet.worker")
+
+LINGER_S = 0.2
+MOST = 256
+CLOSE_ATTEMPTS = 3
+
+
+class Tally:
+    """The worker's results stored and not yet counted, counted by one thread in batches."""
+
+    def __init__(self, ledger: Ledger, claims: Claims, linger_s: float = LINGER_S):
+        self.ledger = ledger
+        self.claims = claims
+        self.linger_s = linger_s
+        self._cond = threading.Condition()
+        self._pending: list[tuple[ResponseRecord, str, str]] = []  # (record, claim key, token), as stored
+        self._since = 0.0  # when the oldest pending result came
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="draftfleet-tally", daemon=True)
+        self._thread.start()
+
+    def add(self, record: ResponseRecord, claim_key: str, token: str) -> None:
+        """Count ``record`` (stored, a single answer) and release its claim, in the next batch.
+        A paid one is counted at once, before its task returns, so that the spend cap sees it
+        before this worker's next request (a batch's linger would let a capped worker overspend);
+        so is every one while unstarted. Then a Redis error reaches the caller, whose claim is
+        still its own."""
+        if self._thread is None or record.cost_usd:
+            self._land([(record, claim_key, token)], retry=False)
+            self.claims.finish(record.dataset)
+            return
+        self.claims.finish(record.dataset)
+        with self._cond:
+            if not self._pending:  # the linger starts: the thread waits for it to pass, or for MOST
+                self._since = time.monotonic()
+                self._cond.notify()
+            self._pending.append((record, claim_key, token))
+            if len(self._pending) == MOST:
+                self._cond.notify()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        """Count what is pending now (a clean stop), then end the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                deadline = self._since + self.linger_s
+                while len(self._pending) < MOST and not self._closed and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(left)
+                batch, self._pending = self._pending[:MOST], self._pending[MOST:]
+                self._since = time.monotonic()
+            self._land(batch, retry=True)
+
+    def _land(self, batch: list[tuple[ResponseRecord, str, str]], retry: bool) -> None:
+        """One ``COUNT_BATCH`` per backend in ``batch``; while Redis is away, again after a pause
+        (only a few times once closing: what is left, the reconciler counts)."""
+        by_backend: dict[str, list[tuple[ResponseRecord, str]]] = {}
+        for record, _, token in batch:
+            by_backend.setdefault(record.backend, []).append((record, token))
+        for results in by_backend.values():
+            attempt, delay = 0, 0.5
+            while True:
+                attempt += 1
+                try:
+                    self.ledger.count_batch(results)
+                    break
+                except redis.RedisError as exc:
+                    if not retry:
+                        raise
+                    if self._closed and attempt >= CLOSE_ATTEMPTS:
+                        log.warning("%d stored result(s) not counted (%s): the reconciler counts them from the store",
+                                    len(results), exc)
+                        break
+                    log.warning("counting %d stored result(s) failed (%s); again in %.1fs", len(results), exc, delay)
+                    time.sleep(delay)
+                    delay = min(10.0, delay * 2)
+        self.claims.forget([(key, token) for _, key, token in batch])
