@@ -13,8 +13,13 @@ dataset has a budget far above what it spends, so admission runs for every task 
 
 from __future__ import annotations
 
+import secrets
+import threading
 import time
+from collections import Counter
 from pathlib import Path
+
+import redis as redis_lib
 
 from draftfleet.producer.enqueue import enqueue_dataset
 from draftfleet.schemas.config import load_config
@@ -27,6 +32,42 @@ from .env import (EmulatorProcess, Figure, PrivateRedis, Section, WorkerProcess,
 DATASET = "rc"
 # Issue 32's bound: a stored result costs at most this many Redis commands and this much Redis CPU.
 CALLS_GOAL, USEC_GOAL = 15, 120
+# What the bench itself asks of Redis while it watches (never a worker's): left out of the figures.
+OWN = {"CONFIG", "INFO", "KEYS", "ECHO", "MONITOR", "CLIENT"}
+START, END = "draftfleet-bench-start", "draftfleet-bench-end"
+
+
+class Monitor:
+    """``MONITOR`` on the private Redis: every command, by origin: sent by a client (a round trip's
+    share, what a worker asks) or run by a Lua script. Counted between the ``ECHO`` the bench sends
+    with its ``CONFIG RESETSTAT`` and the one that ends the run, so the two passes' spans are the same. (MONITOR
+    costs Redis CPU of its own: the CPU figures come from a pass without it.)"""
+
+    def __init__(self, client: redis_lib.Redis):
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self._client = client
+        self._on = False
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        try:
+            with self._client.monitor() as m:
+                for line in m.listen():
+                    cmd = line["command"].split(" ", 2)
+                    name = cmd[0].upper()
+                    if name == "ECHO" and START in line["command"]:  # MONITOR leaves CONFIG out
+                        self.calls.clear()
+                        self._on = True
+                    elif name == "ECHO" and END in line["command"]:
+                        return
+                    elif self._on and name not in OWN:
+                        self.calls["lua" if line.get("client_type") == "lua" else "client", name] += 1
+        except redis_lib.RedisError:
+            return
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        self._thread.join(timeout_s)
 
 
 def commandstats(r) -> dict[str, tuple[int, int]]:
@@ -44,8 +85,9 @@ def _cpu(r) -> float:
 
 
 def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path, workers: int,
-          inflight: int) -> dict:
-    """Queue every prompt, reset Redis's statistics, let ``workers`` processes drain the queue."""
+          inflight: int, monitor: bool = False) -> dict:
+    """Queue every prompt, reset Redis's statistics, let ``workers`` processes drain the queue
+    (``monitor``: with the commands counted by origin, see :class:`Monitor`)."""
     fresh_dir(folder)
     r = redis.client()
     r.flushall()
@@ -56,6 +98,7 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
     app = make_app(redis.url, cfg.fleet.visibility_timeout_s)
     n = enqueue_dataset(cfg, cfg.dataset(DATASET), app, r, store).queued
     app.close()
+    mon = Monitor(redis.client()) if monitor else None  # on before the reset it counts from
     procs = [WorkerProcess(folder, config, redis.url, "--url", emu.url, "--inflight", str(inflight))
              for _ in range(workers)]
     for p in procs:
@@ -63,6 +106,7 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
     try:
         for p in procs:
             p.wait_ready()
+        r.echo(START)
         r.config_resetstat()
         cpu0 = _cpu(r)
         early = len(store.keys(DATASET))  # stored by a worker ready before the others: not in the figures
@@ -73,20 +117,75 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
         wall = time.perf_counter() - start
         cpu = _cpu(r) - cpu0
         stats = commandstats(r)
+        r.echo(END)
+        if mon is not None:
+            mon.wait()
     finally:
         for p in procs:
             p.stop()
-    stats.pop("CONFIG", None)
-    stats.pop("INFO", None)
-    return {"n": n - early, "wall_s": wall, "stats": stats, "cpu_s": cpu}
+    for name in OWN:
+        stats.pop(name, None)
+    return {"n": n - early, "wall_s": wall, "stats": stats, "cpu_s": cpu,
+            "origin": dict(mon.calls) if mon is not None else None}
+
+
+def scripts(redis: PrivateRedis, n: int = 2000) -> list[tuple[str, float]]:
+    """Each step a stored result takes in the ledger, alone on the quiet private Redis: its
+    redis-server CPU per call (``INFO cpu``), beside a PING (what any round trip costs)."""
+    from draftfleet import redis_keys as rk
+    from draftfleet.ledger import Ledger
+    from draftfleet.schemas.records import Message, ResponseRecord, Usage
+
+    def sample_record(key: str) -> ResponseRecord:
+        return ResponseRecord(
+            key=key, dataset=DATASET, source="bench:1", settings_id="s", messages=[Message(role="user", content="q")],
+            system_prompt_used=False, text="t", output_ids=[1] * 40, prompt_tokens=5, completion_tokens=40,
+            finish_reason="stop", truncated=False, backend="sglang", backend_kind="gpu", model="m", token_source="exact",
+            usage=Usage(), cost_usd=0.0, cost_source="none", latency_s=0.4, attempts=1, worker="w",
+            created_at=time.time())
+
+    r = redis.client()
+    r.flushall()
+    r.set(rk.COUNTERS_BUILT, 1)
+    ledger = Ledger(r)
+    keys = [secrets.token_hex(32) for _ in range(n)]
+    tokens = {k: f"bench:1:{secrets.token_hex(6)}" for k in keys}
+    records = {k: sample_record(k) for k in keys}
+    steps = [
+        ("PING (one round trip, nothing done)", lambda k: r.ping()),
+        ("claim and admission (CLAIM_ADMIT)",
+         lambda k: ledger.claim_admit(DATASET, k, tokens[k], 120, 10**12, 50, 64)),
+        ("a result counted alone (COUNT_BATCH of 1)", lambda k: ledger.count_batch([(records[k], tokens[k])])),
+    ]
+    out = []
+    for name, step in steps:
+        c0 = _cpu(r)
+        for k in keys:
+            step(k)
+        out.append((name, 1e6 * (_cpu(r) - c0) / n))
+    batch = 32
+    for k in keys:  # claimed and admitted again: the batch has claims to release and reservations to settle
+        r.set(rk.claim(DATASET, k), tokens[k])
+    r.delete(rk.counted_set(DATASET))
+    c0 = _cpu(r)
+    for i in range(0, n, batch):
+        ledger.count_batch([(records[k], tokens[k]) for k in keys[i:i + batch]])
+    out.append((f"a result counted in a batch of {batch} (COUNT_BATCH, per result)", 1e6 * (_cpu(r) - c0) / n))
+    return out
 
 
 def run(work: Path, *, tasks: int, workers: list[int], inflight: int) -> Section:
     prompts = write_prompts(work / "prompts.jsonl", tasks, tag="rc")
     results: dict[int, dict] = {}
+    origins: dict[int, dict] = {}
     with PrivateRedis(work / "redis") as redis, EmulatorProcess(work, time_scale=0, length="uniform:20:60") as emu:
         for w in workers:
             results[w] = drain(work / f"w{w}", redis, emu, prompts, w, inflight)
+        for w in workers:  # again with MONITOR on: the commands by origin (its CPU is not the figures')
+            seen = drain(work / f"m{w}", redis, emu, prompts, w, inflight, monitor=True)
+            origins[w] = {o: sum(v for (origin, _), v in seen["origin"].items() if origin == o) / max(1, seen["n"])
+                          for o in ("client", "lua")}
+        alone = scripts(redis)
     figures, details = [], []
     head = "| per stored result | " + " | ".join(f"{w} worker{'s' if w > 1 else ''}" for w in workers) + " |"
     details += [head, "| --- |" + " ---: |" * len(workers)]
@@ -95,6 +194,10 @@ def run(work: Path, *, tasks: int, workers: list[int], inflight: int) -> Section
     # the process's CPU, not the sum of commandstats: a script's usec holds those of the commands it ran
     totals = {w: (sum(c for c, _ in per[w].values()), 1e6 * res["cpu_s"] / res["n"]) for w, res in results.items()}
     details.append("| Redis commands | " + " | ".join(f"**{totals[w][0]:.1f}**" for w in workers) + " |")
+    details.append("| of which sent by a client (round trips' share; MONITOR pass) | "
+                   + " | ".join(f"{origins[w]['client']:.1f}" for w in workers) + " |")
+    details.append("| of which run inside a Lua script (MONITOR pass) | "
+                   + " | ".join(f"{origins[w]['lua']:.1f}" for w in workers) + " |")
     details.append("| redis-server CPU (INFO cpu) | " + " | ".join(f"**{totals[w][1]:.0f} µs**" for w in workers) + " |")
     details.append("| (command, then calls and commandstats µs) | " + " | ".join("" for _ in workers) + " |")
     first = workers[0]
@@ -110,6 +213,13 @@ def run(work: Path, *, tasks: int, workers: list[int], inflight: int) -> Section
         figures.append(Figure(bench="redis", name=f"Redis CPU per stored result, {w} worker(s)", value=usec,
                               unit="µs", reference=f"issue 32's bound ({USEC_GOAL} µs)", reference_value=USEC_GOAL,
                               ratio=ratio(usec, USEC_GOAL, higher_is_better=False), headline=False))
+        figures.append(Figure(bench="redis", name=f"Client calls per stored result, {w} worker(s)",
+                              value=origins[w]["client"], unit="calls", reference=f"issue 32's bound ({CALLS_GOAL})",
+                              reference_value=CALLS_GOAL,
+                              ratio=ratio(origins[w]["client"], CALLS_GOAL, higher_is_better=False), headline=False))
+    details += ["", "Each ledger step alone, on the quiet private Redis (redis-server CPU per call):", "",
+                "| step | µs |", "| --- | ---: |"]
+    details += [f"| {name} | {usec:.1f} |" for name, usec in alone]
     calls, usec = totals[first]
     details += ["", f"{tasks} prompts queued first, then drained by {', '.join(map(str, workers))} `draftfleet worker "
                 f"gpu` process(es) at --inflight {inflight}, against an emulator that answers at once (20–60 "
