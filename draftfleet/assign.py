@@ -63,8 +63,13 @@ _manifest = msgspec.json.Decoder(DatasetManifest)
 
 
 def publish(r: redis.Redis, manifest: DatasetManifest) -> None:
-    """Make a dataset's settings (its manifest) live for every running process."""
-    r.hset(rk.DATASETS, manifest.name, msgspec.json.encode(manifest))
+    """Make a dataset's settings (its manifest) live for every running process; its budget too,
+    on its own (``rk.BUDGETS``), for admission to read on every task without the manifest."""
+    budget = "none" if manifest.budget_tokens is None else str(manifest.budget_tokens)
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(rk.DATASETS, manifest.name, msgspec.json.encode(manifest))
+    pipe.hset(rk.BUDGETS, manifest.name, budget)
+    pipe.execute()
 
 
 def published(r: redis.Redis) -> dict[str, DatasetManifest]:

@@ -265,7 +265,7 @@ class Ledger:
         ``budget`` counts only while the dataset has no published budget (assign.py)."""
         return int(self._admit(
             keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
-                  *self._reservation_index(dataset), rk.DATASETS, rk.COUNTERS_BUILT],
+                  *self._reservation_index(dataset), rk.BUDGETS, rk.COUNTERS_BUILT],
             args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset, token],
         ))
 
@@ -277,7 +277,7 @@ class Ledger:
         read for the next :meth:`worker_reservation`."""
         out = self._claim_admit(
             keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
-                  *self._reservation_index(dataset), rk.DATASETS, rk.COUNTERS_BUILT],
+                  *self._reservation_index(dataset), rk.BUDGETS, rk.COUNTERS_BUILT],
             args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset, token,
                   ttl_s],
         )

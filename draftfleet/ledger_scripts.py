@@ -293,13 +293,10 @@ local committed = 0
 for i = 5, #f do committed = committed + tonumber(f[i] or '0') end
 local budget, expect, cap_tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
 local token = ARGV[9]
--- the budget enqueue published last (assign.py) wins over the caller's, which may be a second old
+-- the budget enqueue published last (assign.py, rk.BUDGETS) wins over the caller's, which may be a second old
 local live = redis.call('HGET', KEYS[7], ARGV[8])
-if live then
-  local b = cjson.decode(live)['budget_tokens']
-  if b == cjson.null then return 1 end  -- the budget was removed: nothing to reserve against
-  if b then budget = tonumber(b) end
-end
+if live == 'none' then return 1 end  -- the budget was removed: nothing to reserve against
+if live then budget = tonumber(live) or budget end
 local per_stream = 0
 if latency_ms > 0 then per_stream = counted / latency_ms end  -- tokens per ms of one stream
 local t = redis.call('TIME')

@@ -87,6 +87,7 @@ class Drift(msgspec.Struct, kw_only=True):
     set_aside: list[str] = []
     paid_turns_marked: int = 0  # kept turns of conversations not stored whose paid mark was made again
     paid_tokens_corrected: int = 0
+    newly_in_flight: int = 0  # of newly_counted: still claimed (stored, about to be counted by its worker)
 
 
 class Reconciler:
@@ -163,10 +164,18 @@ class Reconciler:
             elif (dataset, key) in self._cache:  # it reads well by now
                 records[key] = self._cache[(dataset, key)]
         counted_now = {m.decode() for m in self.r.smembers(rk.counted_set(dataset))}
-        newly = 0
-        for key in keys - counted_now:
+        uncounted = sorted(keys - counted_now)
+        pipe = self.r.pipeline(transaction=False)
+        for key in uncounted:
+            pipe.exists(rk.claim(dataset, key))
+        # a key still claimed is a live worker's, whose tally counts it within moments (tally.py):
+        # counted here all the same (it is stored), but no drift
+        claimed = {key for key, held in zip(uncounted, pipe.execute() if uncounted else []) if held}
+        newly = in_flight = 0
+        for key in uncounted:
             if key in records and self.ledger.count(records[key], rate=False):  # made earlier: no rate
                 newly += 1
+                in_flight += key in claimed
 
         backends = {f.backend for f in records.values()} | set(self.ledger.totals(dataset))
         pipe = self.r.pipeline(transaction=True)
@@ -216,7 +225,7 @@ class Reconciler:
         remarked, paid = self._paid_turns(dataset)
         stale = self.ledger.drop_dead(dataset)
         return Drift(
-            dataset=dataset, stored=len(keys), counted=len(counted), newly_counted=newly,
+            dataset=dataset, stored=len(keys), counted=len(counted), newly_counted=newly, newly_in_flight=in_flight,
             corrections=corrections, counted_not_stored=len(counted - keys), stale_reservations=stale,
             unreadable=unreadable, set_aside=aside, paid_turns_marked=remarked, paid_tokens_corrected=paid,
         )

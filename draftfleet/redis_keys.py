@@ -97,6 +97,9 @@ def assignment(dataset: str) -> str:
 
 # Hash dataset -> its manifest (JSON), published by ``enqueue``: the live settings (assign.py).
 DATASETS = f"{PREFIX}datasets"
+# Hash dataset -> its budget as published with its manifest (tokens, or ``none``): what admission
+# reads on every task, a number rather than the whole manifest to decode (ledger_scripts.ADMIT).
+BUDGETS = f"{PREFIX}budgets"
 
 
 def spend(backend: str) -> str:

@@ -98,6 +98,8 @@ def test_a_dataset_added_while_the_fleet_runs_is_followed(tmp_path, redis_server
     reports = {w["kind"]: w for w in map(json.loads, (r.get(k) for k in r.scan_iter(rk.worker_report("*"))))}
     assert reports["cloud"]["datasets"] == ["a"] and reports["gpu"]["datasets"] == ["a", "b"]
 
+    # counted with the worker's next batch (tally.py): moments after the last is stored
+    wait_until(lambda: {d.dataset: d for d in snapshot(before, r).datasets}["b"].responses == 12, 10, 0.1, "b counted")
     rows = {d.dataset: d for d in snapshot(before, r).datasets}
     assert rows["b"].responses == 12 and rows["b"].budget_tokens == 50_000
     res = run_cli("status", "--config", str(old), "--dataset", "b", "--json", env={"REDIS_URL": redis_server.url})

@@ -43,9 +43,10 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
         ensure_counters(reconciler.store, r, wait=False)
         # the datasets as they are now: also those enqueued since this process started
         for drift in reconciler.reconcile_all(list(live_budgets(cfg, r))):
-            if drift.corrections or drift.newly_counted or drift.counted_not_stored or drift.unreadable:
+            lost = drift.newly_counted - drift.newly_in_flight  # (claimed ones were about to be counted)
+            if drift.corrections or lost or drift.counted_not_stored or drift.unreadable:
                 log.warning("%s: drift corrected %s; %d stored keys were uncounted; %d counted keys missing from "
-                            "the store; %d unreadable records", drift.dataset, drift.corrections, drift.newly_counted,
+                            "the store; %d unreadable records", drift.dataset, drift.corrections, lost,
                             drift.counted_not_stored, len(drift.unreadable))
             if drift.set_aside:
                 log.warning("%s: %d record files could not be read and were set aside (%s ...): `draftfleet "
