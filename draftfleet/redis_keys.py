@@ -128,6 +128,9 @@ CHARGED = f"{PREFIX}charged"
 # spend cap is trusted until one worker has rebuilt them (under REBUILD_LOCK; the others wait).
 COUNTERS_BUILT = f"{PREFIX}counters_built"
 REBUILD_LOCK = f"{PREFIX}rebuild_lock"
+# The shared Redis's CPU as last sampled (hash run_id, at, cpu): whoever reads status, the metrics or
+# a reconcile pass next measures the share of a core used since (views/redis_load.py).
+REDIS_CPU = f"{PREFIX}redis_cpu"
 
 
 def events(dataset: str) -> str:

@@ -174,3 +174,30 @@ def test_a_result_stored_in_a_bucket_costs_one_head_and_one_put(tmp_path, s3_env
     finally:
         rt.stop()
         backend.close()
+
+
+def test_status_says_how_busy_the_shared_redis_is(redis_server):
+    """The share of a core Redis used since the last reading (kept in Redis by whoever read last),
+    the average since it started when there is none, and a red line near saturation."""
+    from rich.console import Console
+
+    from draftfleet.views.redis_load import redis_load
+    from draftfleet.views.status import Snapshot, render
+
+    r = redis_server.client()
+    r.delete(rk.REDIS_CPU)
+    first = redis_load(r)
+    assert first is not None and first.since_start and 0 <= first.cpu_share < 1
+    info = r.info()
+    cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    # a reading 20 s ago, 18 CPU-seconds ago: 90% of a core since (86% if a second ticked meanwhile)
+    r.hset(rk.REDIS_CPU, mapping={"run_id": info["run_id"], "at": info["uptime_in_seconds"] - 20, "cpu": cpu - 18})
+    busy = redis_load(r)
+    assert not busy.since_start and 20 <= busy.window_s <= 21 and 0.85 <= busy.cpu_share <= 0.95, busy
+    r.hset(rk.REDIS_CPU, "run_id", "another-redis")  # a reading of a Redis since restarted: not this one's
+    assert redis_load(r).since_start
+
+    console = Console(width=200, record=True)
+    console.print(render(Snapshot(at=0, workers=[], datasets=[], spend=[], redis=busy)))
+    text = console.export_text()
+    assert f"Redis: {busy.cpu_share:.0%} of a core over the last 2" in text and "near saturation" in text

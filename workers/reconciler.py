@@ -19,6 +19,7 @@ from draftfleet.broker import connect, redact, resolve_redis_url
 from draftfleet.reconcile import Reconciler, ensure_counters
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.store import make_dirs, open_store
+from draftfleet.views.redis_load import BUSY_SHARE, redis_load
 from draftfleet.workers.app import make_app
 from draftfleet.workers.worker import setup_logging
 
@@ -41,6 +42,10 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
     def reconcile():
         # counters Redis lost are rebuilt from the store first, unless a worker is at it already
         ensure_counters(reconciler.store, r, wait=False)
+        load = redis_load(r)  # a reading each pass, so that status measures the Redis over a recent window
+        if load is not None and not load.since_start and load.cpu_share >= BUSY_SHARE:
+            log.warning("the shared Redis used %.0f%% of a core over the last %.0f s: near saturation, more GPUs "
+                        "will not go faster (ops/scaling.md, section 1)", 100 * load.cpu_share, load.window_s)
         # the datasets as they are now: also those enqueued since this process started
         for drift in reconciler.reconcile_all(list(live_budgets(cfg, r))):
             lost = drift.newly_counted - drift.newly_in_flight  # (claimed ones were about to be counted)

@@ -53,6 +53,10 @@ class FleetCollector:
         eta = GaugeMetricFamily("draftfleet_eta_seconds", "ETA from the live workers of the assigned kinds", labels=["dataset"])
         stalled = GaugeMetricFamily("draftfleet_stalled", "1 when work is left but no live worker of an assigned kind "
                                     "takes the dataset", labels=["dataset"])
+        redis_cpu = GaugeMetricFamily("draftfleet_redis_cpu_share", "Share of one core the shared Redis used lately "
+                                      "(it runs commands on one thread: near 1, the fleet stops scaling)")
+        if snap.redis is not None:
+            redis_cpu.add_metric([], snap.redis.cpu_share)
         for d in snap.datasets:
             for b in d.backends:
                 tps.add_metric([d.dataset, b.backend, "1m"], b.tps_1m)
@@ -93,4 +97,4 @@ class FleetCollector:
         for (kind, state), n in sorted(counts.items()):
             workers.add_metric([kind, state], n)
         yield from (tokens, responses, cost, depth, inflight, budget, spent, left, events, spend, cap, workers, tps, remaining,
-                    finish_s, finish_usd, eta, stalled)
+                    finish_s, finish_usd, eta, stalled, redis_cpu)

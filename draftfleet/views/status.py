@@ -26,6 +26,7 @@ from draftfleet.ledger import BudgetUse, Ledger
 from draftfleet.queues import depth, held, next_answers
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.views.plan import DatasetPlan, plan_from_redis, render_plans, usd
+from draftfleet.views.redis_load import BUSY_SHARE, RedisLoad, redis_load
 
 
 
@@ -103,6 +104,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     # False after Redis lost its data, until the counters are rebuilt from the store: the figures
     # are partial meanwhile, and budgets and spend caps admit nothing on them (ops/recover-redis.md)
     counters_built: bool = True
+    # the shared Redis's share of a core lately: the fleet stops scaling where it nears 1 (ops/scaling.md §1)
+    redis: RedisLoad | None = None
 
 
 def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None) -> Snapshot:
@@ -163,7 +166,7 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
              for name, cb in sorted(cfg.clouds.items())]
     return Snapshot(at=now, workers=workers, datasets=rows, spend=spend,
                     capture=capture_rows(r, [n for n, _ in chosen], {d.dataset: d.remaining_tokens for d in rows}),
-                    plans=plans, counters_built=ledger.counters_built())
+                    plans=plans, counters_built=ledger.counters_built(), redis=redis_load(r))
 
 
 def _max_tokens(cfg: FleetConfig, live: dict, dataset: str) -> int:
@@ -265,6 +268,14 @@ def render(snap: Snapshot) -> Group:
     for s in snap.spend:
         st.add_row(s.backend, _usd(s.spent_usd), _usd(s.cap_usd) if s.cap_usd is not None else "-")
     plan = Group(Text("plan: to finish each dataset (draftfleet plan)", style="italic"), render_plans(snap.plans))
+    if snap.redis is not None:
+        load = snap.redis
+        over = "since it started" if load.since_start else f"over the last {load.window_s:.0f} s"
+        busy = load.cpu_share >= BUSY_SHARE
+        line = Text(f"Redis: {load.cpu_share:.0%} of a core {over}, {load.ops_per_s:,} commands/s"
+                    + (" - near saturation: more GPUs will not go faster (ops/scaling.md, section 1)" if busy else ""),
+                    style="bold red" if busy else "dim")
+        wt = Group(line, wt)
     if not snap.counters_built:
         lost = Text("the counters are not the store's yet (Redis lost its data, or is new): the figures are partial, "
                     "and budgeted datasets and capped backends wait until a worker, enqueue or the reconciler has "
