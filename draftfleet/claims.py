@@ -96,6 +96,10 @@ class Claims:
         with self._lock:
             self._held.difference_update(claims)
 
+    def drop(self, claims: list[tuple[str, str]]) -> None:
+        """Delete (claim key, token) pairs in Redis, each only under its own token."""
+        self._delete(claims)
+
     def running(self) -> dict[str, int]:
         """The datasets with tasks running now, and how many (a worker report's ``inflight``)."""
         with self._lock:

@@ -201,3 +201,80 @@ def test_status_says_how_busy_the_shared_redis_is(redis_server):
     console.print(render(Snapshot(at=0, workers=[], datasets=[], spend=[], redis=busy)))
     text = console.export_text()
     assert f"Redis: {busy.cpu_share:.0%} of a core over the last 2" in text and "near saturation" in text
+
+
+def _tally(r):
+    from draftfleet.claims import Claims
+    from draftfleet.workers.tally import Tally
+
+    claims = Claims(r, "tally@test")
+    ledger = Ledger(r)
+    return ledger, claims, Tally(ledger, claims, linger_s=0.3)
+
+
+def _claim_and_store(ledger, claims, n: int) -> list[tuple]:
+    out = []
+    for i in range(n):
+        key = secrets.token_hex(32)
+        token = claims.acquire(rk.claim("ds", key), "ds",
+                               lambda t, k=key: ledger.claim_admit("ds", k, t, 60, BUDGET, 50, 64) == ADMITTED)
+        out.append((_stored(i, "ds", key), rk.claim("ds", key), token))
+    return out
+
+
+def test_the_tally_counts_a_linger_of_results_in_one_step_and_what_is_pending_at_its_close(redis_server):
+    """Results handed over within the linger land together (one script), each counted, its claim
+    released and its reservation settled; what is pending when the worker stops lands at close."""
+    r = redis_server.client()
+    r.set(rk.COUNTERS_BUILT, 1)
+    ledger, claims, tally = _tally(r)
+    tally.start()
+    results = _claim_and_store(ledger, claims, 12)
+    r.script_load(COUNT_BATCH)
+    r.config_resetstat()
+    for rec, key, token in results:
+        tally.add(rec, key, token)
+    assert claims.running() == {}  # the tasks run no more; their claims are held until the batch lands
+    deadline = time.monotonic() + 5
+    while tally.pending() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.1)
+    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 1
+    assert Ledger(r).dataset_totals("ds")["responses"] == 12
+    assert not list(r.scan_iter(rk.claim("ds", "*"))) and not r.exists(rk.reservations("ds"))
+    assert not claims._held
+
+    late = _claim_and_store(ledger, claims, 3)
+    for rec, key, token in late:
+        tally.add(rec, key, token)
+    tally.close()  # well inside the linger: counted now, not lost
+    assert Ledger(r).dataset_totals("ds")["responses"] == 15 and not claims._held
+
+
+def test_a_tally_that_meets_a_bug_lets_go_of_its_claims_and_goes_on(redis_server, monkeypatch):
+    """A batch that fails for another reason than Redis is left to the reconciler (its records are
+    stored), but its claims and reservations are let go, and the next batch is counted."""
+    r = redis_server.client()
+    r.set(rk.COUNTERS_BUILT, 1)
+    ledger, claims, tally = _tally(r)
+    tally.start()
+    calls = []
+    real = ledger.count_batch
+
+    def once_broken(results, now=None):
+        calls.append(len(results))
+        if len(calls) == 1:
+            raise ValueError("a bug")
+        return real(results, now)
+
+    monkeypatch.setattr(ledger, "count_batch", once_broken)
+    for rec, key, token in _claim_and_store(ledger, claims, 2):
+        tally.add(rec, key, token)
+    deadline = time.monotonic() + 5
+    while (claims._held or list(r.scan_iter(rk.claim("ds", "*")))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not claims._held and not list(r.scan_iter(rk.claim("ds", "*"))) and not r.exists(rk.reservations("ds"))
+    for rec, key, token in _claim_and_store(ledger, claims, 2):
+        tally.add(rec, key, token)
+    tally.close()
+    assert calls == [2, 2] and Ledger(r).dataset_totals("ds")["responses"] == 2

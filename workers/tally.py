@@ -97,7 +97,22 @@ class Tally:
                     self._cond.wait(left)
                 batch, self._pending = self._pending[:MOST], self._pending[MOST:]
                 self._since = time.monotonic()
-            self._land(batch, retry=True)
+            try:
+                self._land(batch, retry=True)
+            except Exception:  # a bug must not stop the counting, nor hold claims and reservations for ever
+                log.exception("counting %d stored result(s) failed: the reconciler counts them from the store",
+                              len(batch))
+                self._abandon(batch)
+
+    def _abandon(self, batch: list[tuple[ResponseRecord, str, str]]) -> None:
+        """Let go of what ``batch`` holds (its records are stored: the reconciler counts them)."""
+        for record, key, token in batch:
+            try:
+                self.ledger.release(record.dataset, record.key, token)
+            except redis.RedisError:
+                pass  # the reservation lapses with the claim
+        self.claims.forget([(key, token) for _, key, token in batch])
+        self.claims.drop([(key, token) for _, key, token in batch])
 
     def _land(self, batch: list[tuple[ResponseRecord, str, str]], retry: bool) -> None:
         """One ``COUNT_BATCH`` per backend in ``batch``; while Redis is away, again after a pause
