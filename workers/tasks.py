@@ -6,8 +6,9 @@ recorded), so a lost worker costs a redelivery. Redelivered copies are harmless:
 the same time, the store is looked at once under it, and the store's write-once ``link`` plus the
 ledger's counted set make sure one result is stored and counted once. A stored single answer is
 counted in the worker's next batch (``tally.py``), after its message is acknowledged: its claim and
-reservation stay held until then, and what a killed worker leaves uncounted the reconciler counts. Every HTTP call has its
-own timeout, all well below the visibility timeout (the threads pool has no task time limits).
+reservation stay held until then, and what a killed worker leaves uncounted the reconciler counts.
+Every HTTP call has its own timeout, all well below the visibility timeout (the threads pool has no
+task time limits).
 A dead worker's messages come back once its claims lapse (``recovery.py``, run by every live
 worker's heartbeat), not only after the visibility timeout. A task that meets an error of Redis
 or of the store outside its own retries goes back to its queue: it is never acknowledged as done.
