@@ -374,6 +374,22 @@ def unreachable(exc: redis.RedisError) -> str:
     return text
 
 
+# The oldest Redis the fleet's scripts run on (COUNT_BATCH uses SMISMEMBER, new in 6.2).
+MIN_REDIS = (6, 2)
+
+
+def check_version(r: redis.Redis) -> None:
+    """Refuse, in one line, a Redis older than :data:`MIN_REDIS`: its scripts would fail on every
+    batch, and the fleet would hold its results uncounted. (Unknown, when INFO is hidden: allowed.)"""
+    try:
+        version = str(r.info("server").get("redis_version", ""))
+    except redis.ResponseError:
+        return
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if len(parts) == 2 and parts < MIN_REDIS:
+        raise BrokerError(f"Redis {version} is too old for the fleet: it needs {MIN_REDIS[0]}.{MIN_REDIS[1]} or later")
+
+
 def connect(url: str) -> redis.Redis:
     """A redis-py client for counters and scheduling state (decoded replies off: keys are bytes)."""
     return redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=REPLY_TIMEOUT_S,

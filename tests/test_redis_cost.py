@@ -278,3 +278,18 @@ def test_a_tally_that_meets_a_bug_lets_go_of_its_claims_and_goes_on(redis_server
         tally.add(rec, key, token)
     tally.close()
     assert calls == [2, 2] and Ledger(r).dataset_totals("ds")["responses"] == 2
+
+
+def test_a_redis_too_old_for_the_scripts_is_refused_in_one_line(redis_server):
+    """A worker on a Redis without SMISMEMBER (before 6.2) would hold every result uncounted:
+    refused at start instead, naming the version. This one (the tests' 6.2 or later) passes."""
+    from draftfleet.broker import BrokerError, check_version
+
+    check_version(redis_server.client())
+
+    class Old:
+        def info(self, section):
+            return {"redis_version": "6.0.16"}
+
+    with pytest.raises(BrokerError, match=r"^Redis 6\.0\.16 is too old for the fleet: it needs 6\.2 or later$"):
+        check_version(Old())

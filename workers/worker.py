@@ -18,7 +18,7 @@ import msgspec
 import redis
 
 from draftfleet import redis_keys as rk
-from draftfleet.broker import connect, redact, resolve_redis_url
+from draftfleet.broker import check_version, connect, redact, resolve_redis_url
 from draftfleet.schemas.config import ENGINE_LABELS, ConfigError, Engine, FleetConfig
 from draftfleet.schemas.records import WorkerReport
 from draftfleet.store import open_store
@@ -170,6 +170,7 @@ def run_worker(
     broker_url = resolve_redis_url(redis_url, cfg.fleet.redis_url, cfg.fleet.store)
     hostname = f"{name or label}@{socket.gethostname()}"
     r = connect(broker_url)
+    check_version(r)
     refuse_duplicate_name(r, hostname)
     tokenizer = TargetTokenizer.from_config(cfg.fleet)
 
