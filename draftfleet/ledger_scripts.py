@@ -277,11 +277,13 @@ return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 
 _ADMIT_BODY = """
 local seen = nil  -- the dataset's {responses, completion_tokens} as admission read them
+local claim_ttl_ms = nil  -- the key's claim TTL when the caller has just set it (CLAIM_ADMIT): no PTTL
 local function admit()
 local res, due, agg = KEYS[2], KEYS[5], KEYS[6]
-if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
--- counters not rebuilt from the store since Redis lost them (or was new): admit nothing on them
-if redis.call('EXISTS', KEYS[8]) == 0 then return -2 end
+-- closed; counters not rebuilt from the store since Redis lost them (or was new): admit nothing on them
+local flags = redis.call('MGET', KEYS[3], KEYS[8])
+if flags[1] then return -1 end
+if not flags[2] then return -2 end
 -- one read of the dataset's counters: the mean and spread, and what the budget has spent
 -- (BUDGET_FIELDS: the counted records' tokens, the paid turns of conversations not stored)
 local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms',
@@ -356,7 +358,7 @@ local function take()
   A.ey = A.ey + expect
   dirty = true
   redis.call('HSET', res, ARGV[1], expect .. ':' .. now .. ':y:' .. cap_tokens .. ':' .. token)
-  schedule(ARGV[1], expect, now, 'y', cap_tokens, redis.call('PTTL', ARGV[4] .. ARGV[1]))
+  schedule(ARGV[1], expect, now, 'y', cap_tokens, claim_ttl_ms or redis.call('PTTL', ARGV[4] .. ARGV[1]))
 end
 if redis.call('EXISTS', KEYS[4]) == 0 then
   local var = expect * expect
@@ -397,6 +399,7 @@ ADMIT = SETTLE + _ADMIT_BODY + "return admit()"
 # them, the running mean the worker reserves from next time (no read of its own).
 CLAIM_ADMIT = SETTLE + _ADMIT_BODY + """
 if not redis.call('SET', ARGV[4] .. ARGV[1], ARGV[9], 'NX', 'EX', ARGV[10]) then return {-3} end
+claim_ttl_ms = tonumber(ARGV[10]) * 1000
 local verdict = admit()
 if seen then return {verdict, seen[1], seen[2]} end
 return {verdict}
