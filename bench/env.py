@@ -246,8 +246,10 @@ def write_config(folder: Path, datasets: Iterable[dict], *, emulator_url: str = 
 class WorkerProcess:
     """``draftfleet worker gpu`` (or ``kind``) as a subprocess, ready once Celery says so in its log."""
 
-    def __init__(self, folder: Path, config: Path, redis_url: str, *args: str, kind: str = "gpu"):
+    def __init__(self, folder: Path, config: Path, redis_url: str, *args: str, kind: str = "gpu",
+                 env: dict[str, str] | None = None):
         self.kind = kind
+        self.env = env or {}
         self.folder = folder
         self.config = config
         self.redis_url = redis_url
@@ -256,7 +258,7 @@ class WorkerProcess:
         self.log_path = folder / f"worker-{os.getpid()}-{time.monotonic_ns()}.log"
 
     def __enter__(self) -> WorkerProcess:
-        env = {**os.environ, "REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "draftfleet", "worker", self.kind, "--config", str(self.config), *self.args],

@@ -13,6 +13,7 @@ dataset has a budget far above what it spends, so admission runs for every task 
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import redis as redis_lib
 
+from draftfleet.assign import assign
 from draftfleet.producer.enqueue import enqueue_dataset
 from draftfleet.schemas.config import load_config
 from draftfleet.store import open_store
@@ -28,6 +30,7 @@ from draftfleet.workers.app import make_app
 
 from .env import (EmulatorProcess, Figure, PrivateRedis, Section, WorkerProcess, fresh_dir, ratio, wait_for, write_config,
                   write_prompts)
+from .s3_count import CountingProxy
 
 DATASET = "rc"
 # Issue 32's bound: a stored result costs at most this many Redis commands and this much Redis CPU.
@@ -85,10 +88,12 @@ def _cpu(r) -> float:
 
 
 def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path, workers: int,
-          inflight: int, monitor: bool = False, budget: bool = True) -> dict:
+          inflight: int, monitor: bool = False, budget: bool = True, bucket: tuple[str, CountingProxy] | None = None
+          ) -> dict:
     """Queue every prompt, reset Redis's statistics, let ``workers`` processes drain the queue
     (``monitor``: with the commands counted by origin, see :class:`Monitor`; ``budget``: the
-    dataset has one, far above what it spends, so admission runs for every task)."""
+    dataset has one, far above what it spends, so admission runs for every task; ``bucket``: the
+    store is that ``s3://`` location, which the workers reach through the counting proxy)."""
     fresh_dir(folder)
     r = redis.client()
     r.flushall()
@@ -96,13 +101,19 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
     if budget:
         dataset["budget_tokens"] = 10**12
     config = write_config(folder, [dataset], emulator_url=emu.url, inflight=inflight)
+    env = {}
+    if bucket is not None:
+        location, proxy = bucket
+        config.write_text(config.read_text().replace(f'store = "{folder / "store"}"', f'store = "{location}"'))
+        env = {"AWS_ENDPOINT_URL": proxy.endpoint}
     cfg = load_config(config)
     store = open_store(cfg)
     app = make_app(redis.url, cfg.fleet.visibility_timeout_s)
     n = enqueue_dataset(cfg, cfg.dataset(DATASET), app, r, store).queued
     app.close()
+    assign(r, DATASET, set())  # drained until every worker is up: none starts before the counting does
     mon = Monitor(redis.client()) if monitor else None  # on before the reset it counts from
-    procs = [WorkerProcess(folder, config, redis.url, "--url", emu.url, "--inflight", str(inflight))
+    procs = [WorkerProcess(folder, config, redis.url, "--url", emu.url, "--inflight", str(inflight), env=env)
              for _ in range(workers)]
     for p in procs:
         p.__enter__()
@@ -111,8 +122,11 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
             p.wait_ready()
         r.echo(START)
         r.config_resetstat()
+        if bucket is not None:
+            bucket[1].reset()
+        assign(r, DATASET, {"gpu"})  # every worker takes the queue on its next poll of the assignment
         cpu0 = _cpu(r)
-        early = len(store.keys(DATASET))  # stored by a worker ready before the others: not in the figures
+        early = len(store.keys(DATASET))  # (none: the dataset was drained until now)
         start = time.perf_counter()
         wait_for(lambda: len(store.keys(DATASET)) >= n, 900, f"{n} results (worker logs in {folder})", 0.2)
         # what the last tasks still do after their record is stored (count, release, ack)
@@ -120,6 +134,7 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
         wall = time.perf_counter() - start
         cpu = _cpu(r) - cpu0
         stats = commandstats(r)
+        requests = dict(bucket[1].counts) if bucket is not None else None
         r.echo(END)
         if mon is not None:
             mon.wait()
@@ -128,8 +143,32 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
             p.stop()
     for name in OWN:
         stats.pop(name, None)
-    return {"n": n - early, "wall_s": wall, "stats": stats, "cpu_s": cpu,
-            "origin": dict(mon.calls) if mon is not None else None}
+    return {"n": max(1, n - early), "wall_s": wall, "stats": stats, "cpu_s": cpu,
+            "origin": dict(mon.calls) if mon is not None else None, "bucket": requests}
+
+
+def bucket_requests(work: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path, inflight: int) -> dict:
+    """The requests one worker sends the bucket per stored result, by method, on a budgeted dataset
+    (a private SeaweedFS; the bench's own polling of the store goes around the counting proxy)."""
+    from draftfleet.devtools.seaweedfs import SeaweedFS
+
+    server = SeaweedFS(work / "seaweedfs")
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    proxy = CountingProxy(server.ports["s3"])
+    try:
+        res = drain(work / "bucket", redis, emu, prompts, 1, inflight,
+                    bucket=(f"s3://{server.bucket()}/fleet", proxy))
+    finally:
+        proxy.close()
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {method: n / res["n"] for method, n in sorted(res["bucket"].items())}
 
 
 def scripts(redis: PrivateRedis, n: int = 2000) -> list[tuple[str, float]]:
@@ -193,6 +232,7 @@ def run(work: Path, *, tasks: int, workers: list[int], inflight: int) -> Section
             origins[label, w] = {o: sum(v for (origin, _), v in seen["origin"].items() if origin == o)
                                  / max(1, seen["n"]) for o in ("client", "lua")}
         alone = scripts(redis)
+        on_bucket = bucket_requests(work, redis, emu, prompts, inflight)
     cols = [(label, w) for label, _, w in runs]
     per = {c: {cmd: (calls / res["n"], usec / res["n"]) for cmd, (calls, usec) in res["stats"].items()}
            for c, res in results.items()}
@@ -230,6 +270,12 @@ def run(work: Path, *, tasks: int, workers: list[int], inflight: int) -> Section
                               value=origins[c]["client"], unit="calls", reference=f"issue 32's bound ({CALLS_GOAL})",
                               reference_value=CALLS_GOAL,
                               ratio=ratio(origins[c]["client"], CALLS_GOAL, higher_is_better=False), headline=False))
+    total = sum(on_bucket.values())
+    figures.append(Figure(bench="redis", name="Bucket requests per stored result, budget, 1 worker", value=total,
+                          unit="requests", reference="issue 32's bound (2)", reference_value=2,
+                          ratio=ratio(total, 2, higher_is_better=False), headline=False))
+    details += ["", "On a bucket (a private SeaweedFS behind a counting proxy; budget, 1 worker), requests per "
+                "stored result: " + ", ".join(f"{m} {v:.2f}" for m, v in on_bucket.items()) + f" ({total:.2f} in all)."]
     details += ["", "Each ledger step alone, on the quiet private Redis (redis-server CPU per call):", "",
                 "| step | µs |", "| --- | ---: |"]
     details += [f"| {step} | {usec:.1f} |" for step, usec in alone]
