@@ -99,15 +99,18 @@ def test_two_datasets_through_gpu_and_cloud_workers(tmp_path, redis_server, toke
                 assert target_tokenizer.encode_text(rec.text) == rec.output_ids[-1 - len(target_tokenizer.encode_text(rec.text)):-1]
     assert by_backend["sglang"] > 0 and by_backend["cloudy"] > 0
 
-    # the fast counters equal the store
+    # the fast counters equal the store, once the workers' tally has written its last batch (it lingers 0.5 s)
     ledger = Ledger(redis_server.client())
     for name in ("chat", "inst"):
-        totals = ledger.totals(name)
         expect = defaultdict(lambda: [0, 0])
         for rec in store.records(name):
             expect[rec.backend][0] += 1
             expect[rec.backend][1] += rec.completion_tokens
-        assert {b: [t["responses"], t["completion_tokens"]] for b, t in totals.items()} == dict(expect)
+
+        def counted(name=name):
+            return {b: [t["responses"], t["completion_tokens"]] for b, t in ledger.totals(name).items()}
+        wait_until(lambda: sum(v[0] for v in counted().values()) >= 30, 10, 0.1, f"{name} counted")
+        assert counted() == dict(expect)
 
     # quarantine keeps the raw bad lines, with file and line in the message
     quarantined = [json.loads(x) for x in store.quarantine_path("chat").read_text().splitlines()]
@@ -184,8 +187,11 @@ def test_length_is_kept_and_flagged_abort_is_retried(tmp_path, redis_server, tok
     assert aborts > 0
     assert sum(r.attempts - 1 for r in records) == aborts
     assert all(r.retry_reasons == ["abort"] * (r.attempts - 1) for r in records)
-    events = {k.decode(): int(v) for k, v in redis_server.client().hgetall("draftfleet:events:ds").items()}
-    assert events["retry:abort"] == aborts and events["truncated"] == len(truncated)
+    def events():
+        return {k.decode(): int(v) for k, v in redis_server.client().hgetall("draftfleet:events:ds").items()}
+    # the truncated events are written with the tally's batch, up to 0.5 s after the last record is stored
+    wait_until(lambda: events().get("truncated", 0) >= len(truncated), 10, 0.1, "the last batch counted")
+    assert events()["retry:abort"] == aborts and events()["truncated"] == len(truncated)
     assert not store.failures("ds")
 
 
