@@ -65,11 +65,32 @@ class Claims:
         self._report: WorkerReport | None = None  # the report last published
         self._withdrawn = False  # stopped cleanly: no beat still under way brings the report back
 
+    @property
+    def state_seen(self) -> bytes | None:
+        """``rk.STATE`` as this worker last put its claims under it: it moves when Redis lost its state."""
+        return self._state_seen
+
+    def new_token(self) -> str:
+        """A claim token of this process: ``<hostname>:<pid>:<random>``."""
+        return f"{self.token}:{secrets.token_hex(6)}"
+
+    def hold(self, key: str, token: str) -> None:
+        """Refresh ``key``, claimed in Redis under ``token`` by a larger step (a lease of a budget,
+        workers/leases.py), with every beat until :meth:`let_go`; it counts as no running task."""
+        with self._lock:
+            self._held.add((key, token))
+
+    def let_go(self, key: str, token: str) -> None:
+        """Stop refreshing a claim taken by :meth:`hold` and delete it, under its own token."""
+        with self._lock:
+            self._held.discard((key, token))
+        self._delete([(key, token)])
+
     def acquire(self, key: str, dataset: str, take: Callable[[str], bool] | None = None) -> str | None:
         """Claim ``key`` for one task of ``dataset``: its token, or None when another task holds it.
         ``take(token)`` claims it in Redis when that is part of a larger step (the ledger's
         claim and admission in one round trip); else a ``SET NX`` with the TTL."""
-        token = f"{self.token}:{secrets.token_hex(6)}"
+        token = self.new_token()
         if not (take(token) if take is not None else self.r.set(key, token, nx=True, ex=CLAIM_TTL_S)):
             return None
         with self._lock:

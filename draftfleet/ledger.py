@@ -37,6 +37,14 @@ dropped, a live one is rescheduled, so each reservation costs O(log n) a claim T
 per admission. A reservation belongs to the claim it was taken under: only that claim's task
 releases it, so a stale copy (its claim lapsed, the key claimed again) never frees the
 reservation of the copy that runs now.
+
+Leases: far from the budget a worker reserves for many tasks in one step (:meth:`Ledger.lease`,
+workers/leases.py): one capped reservation of n slots, each its tasks' max_tokens, granted only
+while n slots fit in half of what phase (1) would still admit and no closing round runs. Each
+result counted takes its slot out (``COUNT_BATCH``), slots left unused go back
+(:meth:`Ledger.lease_return`), and a lease belongs to its claim like any reservation (its worker
+dead, it lapses). A slot holds the most its task can make, so leased work never pushes the total
+past what phase (1) allows; near the budget, tasks are admitted one by one as above.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import redis
 
 from draftfleet import redis_keys as rk
 from draftfleet.ledger_scripts import (ADMIT, BUDGET_FIELDS, CHARGE, CLAIM_ADMIT, COUNT_BATCH, COUNT_ONCE, DROP_DEAD,
-                                       PREPAY, PURGE, REBUILD_PAID, RELEASE, RESTORE)
+                                       LEASE, LEASE_RETURN, PREPAY, PURGE, REBUILD_PAID, RELEASE, RESTORE)
 from draftfleet.schemas.records import ChargeRecord, ResponseRecord
 
 RATE_BUCKET_S = 10
@@ -62,6 +70,7 @@ RECHECK_MS = 30_000
 # LOST: the counters are not known to be the store's (``rk.COUNTERS_BUILT`` is gone): rebuild them first.
 ADMITTED, WAIT, REFUSED, CLOSED, LOST = 1, 2, 0, -1, -2
 CLAIMED = -3  # claim_admit: another task holds the key's claim (nothing reserved)
+NO_LEASE = -4  # lease: no slots granted (too near the budget, a closing round): admit task by task
 
 
 class BudgetUse(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,6 +136,8 @@ class Ledger:
         self._restore = client.register_script(RESTORE)
         self._claim_admit = client.register_script(CLAIM_ADMIT)
         self._count_batch = client.register_script(COUNT_BATCH)
+        self._lease = client.register_script(LEASE)
+        self._lease_return = client.register_script(LEASE_RETURN)
         # dataset -> (responses, completion_tokens) as the last claim_admit read them: the running
         # mean the next reservation is taken from, with no read of its own (worker_reservation)
         self._seen: dict[str, tuple[int, int]] = {}
@@ -162,10 +173,12 @@ class Ledger:
         )
         return bool(added)
 
-    def count_batch(self, results: list[tuple[ResponseRecord, str]], now: float | None = None) -> int:
+    def count_batch(self, results: list[tuple[ResponseRecord, str]] | list[tuple[ResponseRecord, str, str, int]],
+                    now: float | None = None) -> int:
         """Count many stored single-answer records in one step (``COUNT_BATCH``), each as
         :meth:`count` with ``rate=True`` does, and release each one's claim under its token:
-        ``results`` is (record, claim token) in the order they were stored, all of one backend.
+        ``results`` is (record, claim token[, lease name, the lease's cap a slot]) in the order they
+        were stored, all of one backend; a record admitted under a lease takes its slot out of it.
         How many were newly counted. The counters are written once per batch and dataset, not
         once per record: what a stored result costs the shared Redis (issue 32)."""
         if not results:
@@ -173,14 +186,15 @@ class Ledger:
         backend = results[0][0].backend
         bucket = int((now or time.time()) // RATE_BUCKET_S)
         groups: dict[str, list] = {}
-        for record, token in results:
+        for record, token, *lease in results:
             if record.backend != backend or getattr(record, "turns", None):
                 raise ValueError("count_batch takes single answers of one backend")
+            lease_name, slot = lease if lease else ("", 0)
             end_ms = int(record.created_at * 1000)
             groups.setdefault(record.dataset, []).append([
                 record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd),
                 int(record.latency_s * 1000), end_ms, end_ms - int(record.latency_s * 1000),
-                int(record.cost_source == "provider"), token, int(record.truncated)])
+                int(record.cost_source == "provider"), token, int(record.truncated), lease_name, slot])
         keys = [rk.spend(backend)]
         for dataset in groups:
             keys += [rk.counted_set(dataset), rk.totals(dataset, backend), rk.dataset_totals(dataset),
@@ -285,6 +299,27 @@ class Ledger:
             self._seen[dataset] = (int(out[1]), int(out[2]))
         return int(out[0])
 
+    def lease(self, dataset: str, name: str, token: str, ttl_s: int, budget: int, slots: int, cap: int) -> tuple[int, int]:
+        """Claim the lease ``name`` under ``token`` and reserve up to ``slots`` tasks of at most ``cap``
+        tokens each, in one step (``LEASE``): (verdict, slots granted). ADMITTED with slots: the lease
+        is held (its claim refreshed by the worker's beat); NO_LEASE, CLOSED or LOST: nothing held, admit
+        task by task; ADMITTED with none: the dataset has no budget any more."""
+        out = self._lease(
+            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
+                  *self._reservation_index(dataset), rk.BUDGETS, rk.COUNTERS_BUILT],
+            args=[name, budget, 0, rk.claim(dataset, ""), cap, RECHECK_MS, EXPIRE_BATCH, dataset, token, ttl_s, slots],
+        )
+        if len(out) == 4:
+            self._seen[dataset] = (int(out[2]), int(out[3]))
+        return int(out[0]), int(out[1])
+
+    def lease_return(self, dataset: str, name: str, token: str, tokens: int) -> None:
+        """Give back ``tokens`` of the lease ``name`` (slots its worker will not use), only while it
+        is the one taken under ``token``; spent, the lease's reservation and claim are dropped (as
+        when ``COUNT_BATCH`` counts its last slot)."""
+        self._lease_return(keys=[rk.reservations(dataset), *self._reservation_index(dataset)],
+                           args=[name, tokens, token, rk.claim(dataset, "")])
+
     def worker_reservation(self, dataset: str, max_tokens: int) -> int:
         """:meth:`reservation` for a new single answer, from the counters the last
         :meth:`claim_admit` read (one admission old: the running mean moves by one response at
@@ -309,6 +344,7 @@ class Ledger:
         prompt, growing as any reservation does up to ``max_tokens``; how many."""
         prefix = rk.claim(dataset, "")
         held = [k.decode()[len(prefix):] for k in self.r.scan_iter(match=prefix + "*", count=1000)]
+        held = [k for k in held if not rk.is_lease(k)]  # a lease's tasks hold claims of their own: those are
         expected = self.reservation(dataset, max_tokens)
         keys = [rk.reservations(dataset), *self._reservation_index(dataset), rk.counted_set(dataset)]
         return sum(int(self._restore(keys=keys, args=[k, expected, max_tokens, prefix, RECHECK_MS])) for k in held)

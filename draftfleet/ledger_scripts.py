@@ -53,6 +53,23 @@ local function settle(res, due, A, k, token)
   share_out(A, e, s, st, c)
   return 1
 end
+-- a lease (ledger.py: a worker's reservation of several tasks' caps, state 'c') loses ``amount``
+-- of its cap (slots counted or given back); spent, it is dropped, and its claim (``claim_prefix``
+-- .. name) with it, while still its own
+local function shrink(res, due, A, name, v, amount, claim_prefix)
+  local e, s, st, c, tok = parse(v)
+  if st ~= 'c' then return false end
+  if c <= amount then
+    redis.call('HDEL', res, name)
+    redis.call('ZREM', due, name)
+    share_out(A, e, s, st, c)
+    if redis.call('GET', claim_prefix .. name) == tok then redis.call('DEL', claim_prefix .. name) end
+  else
+    redis.call('HSET', res, name, e .. ':' .. s .. ':c:' .. (c - amount) .. ':' .. tok)
+    A.cc = A.cc - amount
+  end
+  return true
+end
 local function settle_one(res, due, agg, k, token)
   local A = load(agg)
   if settle(res, due, A, k, token) == 1 then save(agg, A) return 1 end
@@ -115,7 +132,8 @@ return added
 # dataset totals, reservations, due index, aggregates, the rate bucket, events.
 # ARGV[1] = RATE_KEEP_S; ARGV[2] = cjson, per dataset: {claim key prefix, records}, each record
 # [key, prompt, completion, micro_usd, latency_ms, end_ms, start_ms, provider (0/1), claim token,
-# truncated (0/1)], in the order they were stored (the busy-time union runs in that order).
+# truncated (0/1), lease ('' when admitted alone), the lease's cap a slot], in the order they were
+# stored (the busy-time union runs in that order).
 # Returns how many records were newly counted.
 COUNT_BATCH = SETTLE + """
 local groups = cjson.decode(ARGV[2])
@@ -139,6 +157,20 @@ for g, grp in ipairs(groups) do
   end
   if #gone > 0 then redis.call('HDEL', res, unpack(gone)) end
   redis.call('ZREM', due, unpack(ks))
+  -- each record admitted under a lease takes its slot out of that lease (counted new or not: its task is done)
+  local dec, leases = {}, {}
+  for _, r in ipairs(recs) do
+    local ln = r[11]
+    if ln ~= '' then
+      if not dec[ln] then dec[ln] = 0 leases[#leases + 1] = ln end
+      dec[ln] = dec[ln] + r[12]
+    end
+  end
+  if #leases > 0 then
+    for i, v in ipairs(redis.call('HMGET', res, unpack(leases))) do
+      if v and shrink(res, due, A, leases[i], v, dec[leases[i]], grp[1]) then dirty = true end
+    end
+  end
   if dirty then save(agg, A) end
   -- count once: only the keys not counted yet (one check, one add)
   local known, new = redis.call('SMISMEMBER', cset, unpack(ks)), {}
@@ -278,6 +310,7 @@ return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
 _ADMIT_BODY = """
 local seen = nil  -- the dataset's {responses, completion_tokens} as admission read them
 local claim_ttl_ms = nil  -- the key's claim TTL when the caller has just set it (CLAIM_ADMIT): no PTTL
+local lease_slots, leased = nil, 0  -- LEASE: the slots asked for, the slots granted
 local function admit()
 local res, due, agg = KEYS[2], KEYS[5], KEYS[6]
 -- closed; counters not rebuilt from the store since Redis lost them (or was new): admit nothing on them
@@ -360,6 +393,24 @@ local function take()
   redis.call('HSET', res, ARGV[1], expect .. ':' .. now .. ':y:' .. cap_tokens .. ':' .. token)
   schedule(ARGV[1], expect, now, 'y', cap_tokens, claim_ttl_ms or redis.call('PTTL', ARGV[4] .. ARGV[1]))
 end
+if lease_slots then
+  -- a lease: as many slots (each its task's cap) as fit in half the room that admission alone would
+  -- still give away freely, never in a closing round (those admit task by task)
+  if redis.call('EXISTS', KEYS[4]) == 1 then return done(-4) end
+  local var = cap_tokens * cap_tokens
+  if responses >= 5 then var = math.max(0, sq / responses - (counted / responses) ^ 2) end
+  local free = budget - committed - reserved - 3 * math.sqrt(var) * math.sqrt(live + 1)
+  local n = math.min(lease_slots, math.floor(free / (2 * cap_tokens)))
+  if n < 2 then return done(-4) end
+  if A.n <= 0 then A = {n = 0, ey = 0, no = 0, so = 0, co = 0, cc = 0, t0 = now} end
+  A.n = A.n + 1
+  A.cc = A.cc + n * cap_tokens
+  dirty = true
+  redis.call('HSET', res, ARGV[1], '0:' .. now .. ':c:' .. n * cap_tokens .. ':' .. token)
+  schedule(ARGV[1], 0, now, 'c', n * cap_tokens, claim_ttl_ms)
+  leased = n
+  return done(1)
+end
 if redis.call('EXISTS', KEYS[4]) == 0 then
   local var = expect * expect
   if responses >= 5 then var = math.max(0, sq / responses - (counted / responses) ^ 2) end
@@ -403,6 +454,35 @@ claim_ttl_ms = tonumber(ARGV[10]) * 1000
 local verdict = admit()
 if seen then return {verdict, seen[1], seen[2]} end
 return {verdict}
+"""
+
+# A worker's lease of a dataset's budget (workers/leases.py): the claim of the lease's name ARGV[1]
+# under ARGV[9] (SET NX EX ARGV[10]), then up to ARGV[11] slots of ARGV[5] tokens each (its tasks'
+# max_tokens) reserved as one capped reservation under that name, in one step with admission's
+# due pass. Returns {verdict, slots granted, responses, completion tokens}: -4 (nothing granted,
+# the claim let go) when fewer than two slots fit, in a closing round, or when admission would
+# not admit (closed, lost counters); a removed budget grants nothing and answers ADMITTED.
+LEASE = SETTLE + _ADMIT_BODY + """
+if not redis.call('SET', ARGV[4] .. ARGV[1], ARGV[9], 'NX', 'EX', ARGV[10]) then return {-3, 0} end
+claim_ttl_ms = tonumber(ARGV[10]) * 1000
+lease_slots = tonumber(ARGV[11])
+local verdict = admit()
+if leased == 0 then redis.call('DEL', ARGV[4] .. ARGV[1]) end
+if seen then return {verdict, leased, seen[1], seen[2]} end
+return {verdict, leased}
+"""
+
+# Slots of a lease its worker will not use (it expired, the worker stops): ARGV[2] tokens out of
+# the lease ARGV[1], only while it is the one taken under the claim token ARGV[3] (claim key
+# prefix ARGV[4]). Returns 1, or 2 when that spent it (its claim let go too).
+LEASE_RETURN = SETTLE + """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if not v or string.sub(v, -#ARGV[3] - 1) ~= ':' .. ARGV[3] then return 0 end
+local A = load(KEYS[3])
+if not shrink(KEYS[1], KEYS[2], A, ARGV[1], v, tonumber(ARGV[2]), ARGV[4]) then return 0 end
+save(KEYS[3], A)
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 2 end
+return 1
 """
 
 # Empty a closed dataset's queue, unless an enqueue reopened it meanwhile (its new tasks stay),

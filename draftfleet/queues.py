@@ -99,7 +99,8 @@ def queued_keys(r: redis.Redis, dataset: str, batch: int = 5000) -> set[str]:
 def claimed_keys(r: redis.Redis, dataset: str) -> set[str]:
     """Keys a running worker is generating now (it holds their claims)."""
     prefix = rk.claim(dataset, "")
-    return {k.decode()[len(prefix):] for k in r.scan_iter(match=prefix + "*", count=1000)}
+    keys = {k.decode()[len(prefix):] for k in r.scan_iter(match=prefix + "*", count=1000)}
+    return {k for k in keys if not rk.is_lease(k)}
 
 
 def claimed_units(r: redis.Redis, dataset: str) -> set[str]:

@@ -31,6 +31,16 @@ def claim(dataset: str, key: str) -> str:
     return f"{PREFIX}claim:{dataset}:{key}"
 
 
+# A lease's name (workers/leases.py): its reservation's field and its claim's key, never a prompt's key
+# (those are sha256 hex).
+LEASE_PREFIX = "lease-"
+
+
+def is_lease(key: str) -> bool:
+    """Whether a claimed or reserved name is a worker's lease of a budget, not a prompt's key."""
+    return key.startswith(LEASE_PREFIX)
+
+
 def claim_holder(token: str | bytes) -> str:
     """The hostname of the worker whose task holds a claim (its token's first part)."""
     text = token.decode() if isinstance(token, bytes) else token

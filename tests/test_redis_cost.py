@@ -170,10 +170,13 @@ def test_a_result_stored_in_a_bucket_costs_one_head_and_one_put(tmp_path, s3_env
             # (the first task also reads the dataset's manifest, once per worker, to check tasks against)
             assert sent == (["GET"] if i == 0 else []) + ["HEAD", "PUT"], sent
         assert Ledger(r).dataset_totals("ds")["responses"] == 3
-        assert not list(r.scan_iter(rk.claim("ds", "*")))
+        # no task's claim is left; the worker's lease of the budget is held until it ends or stops
+        held = [k.decode() for k in r.scan_iter(rk.claim("ds", "*"))]
+        assert all(rk.is_lease(k[len(rk.claim("ds", "")):]) for k in held), held
     finally:
         rt.stop()
         backend.close()
+    assert not list(r.scan_iter(rk.claim("ds", "*"))) and not r.hlen(rk.reservations("ds"))
 
 
 def test_status_says_how_busy_the_shared_redis_is(redis_server):
@@ -205,11 +208,12 @@ def test_status_says_how_busy_the_shared_redis_is(redis_server):
 
 def _tally(r):
     from draftfleet.claims import Claims
+    from draftfleet.workers.leases import Leases
     from draftfleet.workers.tally import Tally
 
     claims = Claims(r, "tally@test")
     ledger = Ledger(r)
-    return ledger, claims, Tally(ledger, claims, linger_s=0.3)
+    return ledger, claims, Tally(ledger, claims, Leases(ledger, claims, 8), linger_s=0.3)
 
 
 def _claim_and_store(ledger, claims, n: int) -> list[tuple]:

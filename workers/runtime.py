@@ -22,12 +22,13 @@ from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
 from draftfleet.claims import CLAIM_TTL_S, Claims
 from draftfleet.identity import task_problem
-from draftfleet.ledger import CLAIMED, Ledger
+from draftfleet.ledger import ADMITTED, CLAIMED, Ledger
 from draftfleet.reconcile import ensure_counters
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import ChargeRecord, GenerationSettings, PromptTask, ResponseRecord, WorkerReport
 from draftfleet.store import Store, new_charge_id
 from draftfleet.workers.backends import Backend, Halt
+from draftfleet.workers.leases import Lease, Leases
 from draftfleet.workers.tally import Tally
 
 log = logging.getLogger("draftfleet.worker")
@@ -53,7 +54,8 @@ class Runtime:
         self.datasets = datasets
         self.pause_s = pause_s
         self.claims = Claims(r, hostname)
-        self.tally = Tally(self.ledger, self.claims)
+        self.leases = Leases(self.ledger, self.claims, backend.concurrency)
+        self.tally = Tally(self.ledger, self.claims, self.leases)
         self._lock = threading.Lock()
         self.paused: str | None = None
         self._stop = threading.Event()
@@ -96,11 +98,20 @@ class Runtime:
         """Claim the task's key; returns the claim's token (one per task), None if a twin holds it."""
         return self.claims.acquire(rk.claim(task.dataset, task.key), task.dataset)
 
-    def claim_admit(self, task: PromptTask, budget: int) -> tuple[str | None, int | None]:
-        """Claim a single answer's key and reserve its budget in one round trip
-        (``Ledger.claim_admit``): (the claim's token, None when a twin holds it; the verdict)."""
+    def claim_admit(self, task: PromptTask, budget: int) -> tuple[str | None, int | None, Lease | None]:
+        """Claim a single answer's key and admit it under its budget: (the claim's token, None when a
+        twin holds it; the verdict; the lease it was admitted under). A slot of this worker's lease
+        (workers/leases.py) needs only the claim; without one, claim and admission go in one round
+        trip (``Ledger.claim_admit``)."""
         verdict: int | None = None
         max_tokens = task.settings.max_tokens
+        lease = self.leases.admit(task.dataset, max_tokens, budget)
+        if lease is not None:
+            token = self.acquire(task)
+            if token is None:
+                self.leases.done(lease)
+                return None, None, None
+            return token, ADMITTED, lease
 
         def take(token: str) -> bool:
             nonlocal verdict
@@ -108,15 +119,22 @@ class Runtime:
                                               self.ledger.worker_reservation(task.dataset, max_tokens), max_tokens)
             return verdict != CLAIMED
 
-        return self.claims.acquire(rk.claim(task.dataset, task.key), task.dataset, take), verdict
+        return self.claims.acquire(rk.claim(task.dataset, task.key), task.dataset, take), verdict, None
 
     def release(self, task: PromptTask, token: str) -> None:
         self.claims.release(rk.claim(task.dataset, task.key), task.dataset, token)
 
-    def finish(self, record: ResponseRecord, token: str) -> None:
-        """The stored single answer is counted, its reservation settled and its claim released
-        in the tally's next batch (workers/tally.py)."""
-        self.tally.add(record, rk.claim(record.dataset, record.key), token)
+    def finish(self, record: ResponseRecord, token: str, lease: Lease | None) -> None:
+        """The stored single answer is counted, its reservation settled (or its lease's slot taken
+        out) and its claim released in the tally's next batch (workers/tally.py)."""
+        if lease is not None:
+            self.leases.hand(lease)
+        try:
+            self.tally.add(record, rk.claim(record.dataset, record.key), token, lease)
+        except BaseException:
+            if lease is not None:
+                self.leases.unhand(lease)
+            raise
 
     def _beat(self) -> None:
         """A heartbeat every HEARTBEAT_S, at once when Redis lost its state (``Claims.beat_until``)."""
@@ -148,6 +166,7 @@ class Runtime:
 
     def stop(self) -> None:
         self._stop.set()
+        self.leases.close()  # the unused slots of its leases go back
         self.tally.close()  # what this worker stored is counted before it goes
         self.claims.withdraw()
 
@@ -172,6 +191,7 @@ class Runtime:
                 self.refresh()
             except redis.RedisError:
                 continue  # keep the last known settings while Redis is away
+            self.leases.retire_stale()
             self.sync()
             if self.allowed != before:
                 self.heartbeat()  # status shows the change now, not at the next beat

@@ -29,6 +29,7 @@ import redis
 from draftfleet.claims import Claims
 from draftfleet.ledger import Ledger
 from draftfleet.schemas.records import ResponseRecord
+from draftfleet.workers.leases import Lease, Leases
 
 log = logging.getLogger("draftfleet.worker")
 
@@ -40,12 +41,14 @@ CLOSE_ATTEMPTS = 3
 class Tally:
     """The worker's results stored and not yet counted, counted by one thread in batches."""
 
-    def __init__(self, ledger: Ledger, claims: Claims, linger_s: float = LINGER_S):
+    def __init__(self, ledger: Ledger, claims: Claims, leases: Leases, linger_s: float = LINGER_S):
         self.ledger = ledger
         self.claims = claims
+        self.leases = leases
         self.linger_s = linger_s
         self._cond = threading.Condition()
-        self._pending: list[tuple[ResponseRecord, str, str]] = []  # (record, claim key, token), as stored
+        self._pending: list[tuple[ResponseRecord, str, str, Lease | None]] = []  # (record, claim key, token,
+        # the lease it was admitted under), as stored
         self._since = 0.0  # when the oldest pending result came
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -54,14 +57,14 @@ class Tally:
         self._thread = threading.Thread(target=self._run, name="draftfleet-tally", daemon=True)
         self._thread.start()
 
-    def add(self, record: ResponseRecord, claim_key: str, token: str) -> None:
+    def add(self, record: ResponseRecord, claim_key: str, token: str, lease: Lease | None = None) -> None:
         """Count ``record`` (stored, a single answer) and release its claim, in the next batch.
         A paid one is counted at once, before its task returns, so that the spend cap sees it
         before this worker's next request (a batch's linger would let a capped worker overspend);
         so is every one while unstarted. Then a Redis error reaches the caller, whose claim is
-        still its own."""
+        still its own. A result admitted under ``lease`` takes its slot out of it with the count."""
         if self._thread is None or record.cost_usd:
-            self._land([(record, claim_key, token)], retry=False)
+            self._land([(record, claim_key, token, lease)], retry=False)
             self.claims.finish(record.dataset)
             return
         self.claims.finish(record.dataset)
@@ -69,7 +72,7 @@ class Tally:
             if not self._pending:  # the linger starts: the thread waits for it to pass, or for MOST
                 self._since = time.monotonic()
                 self._cond.notify()
-            self._pending.append((record, claim_key, token))
+            self._pending.append((record, claim_key, token, lease))
             if len(self._pending) == MOST:
                 self._cond.notify()
 
@@ -104,22 +107,25 @@ class Tally:
                               len(batch))
                 self._abandon(batch)
 
-    def _abandon(self, batch: list[tuple[ResponseRecord, str, str]]) -> None:
+    def _abandon(self, batch: list[tuple[ResponseRecord, str, str, Lease | None]]) -> None:
         """Let go of what ``batch`` holds (its records are stored: the reconciler counts them)."""
-        for record, key, token in batch:
+        for record, key, token, lease in batch:
             try:
                 self.ledger.release(record.dataset, record.key, token)
             except redis.RedisError:
                 pass  # the reservation lapses with the claim
-        self.claims.forget([(key, token) for _, key, token in batch])
-        self.claims.drop([(key, token) for _, key, token in batch])
+            if lease is not None:  # its slot goes with the lease, once the lease's claim is let go
+                self.leases.counted(lease)
+        self.claims.forget([(key, token) for _, key, token, _ in batch])
+        self.claims.drop([(key, token) for _, key, token, _ in batch])
 
-    def _land(self, batch: list[tuple[ResponseRecord, str, str]], retry: bool) -> None:
+    def _land(self, batch: list[tuple[ResponseRecord, str, str, Lease | None]], retry: bool) -> None:
         """One ``COUNT_BATCH`` per backend in ``batch``; while Redis is away, again after a pause
         (only a few times once closing: what is left, the reconciler counts)."""
-        by_backend: dict[str, list[tuple[ResponseRecord, str]]] = {}
-        for record, _, token in batch:
-            by_backend.setdefault(record.backend, []).append((record, token))
+        by_backend: dict[str, list[tuple]] = {}
+        for record, _, token, lease in batch:
+            by_backend.setdefault(record.backend, []).append(
+                (record, token) if lease is None else (record, token, lease.name, lease.cap))
         for results in by_backend.values():
             attempt, delay = 0, 0.5
             while True:
@@ -137,4 +143,7 @@ class Tally:
                     log.warning("counting %d stored result(s) failed (%s); again in %.1fs", len(results), exc, delay)
                     time.sleep(delay)
                     delay = min(10.0, delay * 2)
-        self.claims.forget([(key, token) for _, key, token in batch])
+        self.claims.forget([(key, token) for _, key, token, _ in batch])
+        for *_, lease in batch:
+            if lease is not None:
+                self.leases.counted(lease)

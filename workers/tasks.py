@@ -305,9 +305,9 @@ def execute(task_self, payload: object) -> str:
     # A single answer with a budget is claimed and admitted in one round trip; a conversation
     # reserves for the turns it has left, known from its kept progress, read under its claim.
     budget = rt.budgets.get(task.dataset)
-    verdict = None
+    verdict, lease = None, None
     if budget is not None and task.settings.turns != "all":
-        token, verdict = rt.claim_admit(task, budget)
+        token, verdict, lease = rt.claim_admit(task, budget)
     else:
         token = rt.acquire(task)
     if token is None:
@@ -354,7 +354,7 @@ def execute(task_self, payload: object) -> str:
             if record.truncated:
                 rt.ledger.event(task.dataset, "truncated")
         else:  # counted with the worker's next batch, its event too (workers/tally.py)
-            rt.finish(record, token)
+            rt.finish(record, token, lease)
             handed = True
         log.info("stored %s %s: %d tokens from %s in %.2fs (%s, attempt %d%s)", task.dataset, task.source,
                  record.completion_tokens, record.backend, record.latency_s, record.finish_reason, record.attempts,
@@ -363,7 +363,10 @@ def execute(task_self, payload: object) -> str:
     finally:
         if not handed:
             try:
-                rt.ledger.release(task.dataset, task.key, token)
+                if lease is None:
+                    rt.ledger.release(task.dataset, task.key, token)
+                else:  # its slot is free for the next task (workers/leases.py)
+                    rt.leases.done(lease)
             finally:  # also when Redis is away: a claim left in our set would be refreshed forever
                 rt.release(task, token)
 

@@ -34,7 +34,8 @@ def claims_by_kind(r: redis.Redis, datasets: list[str]) -> dict[str, int]:
     kind_of = {w.hostname: w.kind for w in worker_reports(r)}
     out = dict.fromkeys(KINDS, 0)
     for ds in datasets:
-        keys = list(r.scan_iter(match=rk.claim(ds, "*"), count=1000))
+        keys = [k for k in r.scan_iter(match=rk.claim(ds, "*"), count=1000)
+                if not rk.is_lease(k.decode()[len(rk.claim(ds, "")):])]  # a worker's lease is no task
         for holder in r.mget(keys) if keys else []:
             if holder is None:
                 continue
