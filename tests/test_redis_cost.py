@@ -107,13 +107,16 @@ def test_calls_per_result_stay_bounded_from_one_to_eight_workers(tmp_path, monke
     from bench.env import EmulatorProcess, PrivateRedis, write_prompts
     from bench.redis_cost import CALLS_GOAL, drain
 
-    prompts = write_prompts(tmp_path / "prompts.jsonl", 400, tag="rc")
+    # 800 prompts: each worker's idle polls (the assignment each second, Redis's state marker twice a
+    # second) cost a fixed number of commands a second, so their share a result falls as the run
+    # lengthens; at 400 a loaded box put the 8 workers' at the bound's edge (their 1.2 s more of polls)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 800, tag="rc")
     seen = {}
     with PrivateRedis(tmp_path / "redis") as redis, EmulatorProcess(tmp_path, time_scale=0,
                                                                     length="uniform:20:60") as emu:
         for workers in (1, 8):
             res = drain(tmp_path / f"w{workers}", redis, emu, prompts, workers, 8, monitor=True)
-            assert res["n"] >= 200, res["n"]  # most stored inside the counted span
+            assert res["n"] >= 400, res["n"]  # most stored inside the counted span
             calls = res["origin"]
             seen[workers] = {
                 "client": sum(v for (o, _), v in calls.items() if o == "client") / res["n"],
