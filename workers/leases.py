@@ -190,9 +190,10 @@ class Leases:
 
     def _end(self, lease: Lease) -> None:
         """Nothing of ``lease`` is left: the script that took out its last slot let go of its claim in
-        Redis, so the beat stops refreshing it; after a failed return, the claim is deleted here, and
-        admission's due pass drops what its reservation still holds."""
-        if lease.stuck:
+        Redis, so the beat stops refreshing it. After a failed return, or when Redis lost its data
+        since (no reservation was left to spend; the beat put the claim back), the claim is deleted
+        here, and admission's due pass drops whatever its reservation still holds."""
+        if lease.stuck or lease.state != self.claims.state_seen:
             self.claims.let_go(lease.claim, lease.token)
         else:
             self.claims.forget([(lease.claim, lease.token)])
