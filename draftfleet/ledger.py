@@ -344,7 +344,7 @@ class Ledger:
         prompt, growing as any reservation does up to ``max_tokens``; how many."""
         prefix = rk.claim(dataset, "")
         held = [k.decode()[len(prefix):] for k in self.r.scan_iter(match=prefix + "*", count=1000)]
-        held = [k for k in held if not rk.is_lease(k)]  # a lease's tasks hold claims of their own: those are
+        held = [k for k in held if not rk.is_lease(k)]  # a lease's tasks hold claims of their own, restored here
         expected = self.reservation(dataset, max_tokens)
         keys = [rk.reservations(dataset), *self._reservation_index(dataset), rk.counted_set(dataset)]
         return sum(int(self._restore(keys=keys, args=[k, expected, max_tokens, prefix, RECHECK_MS])) for k in held)

@@ -459,9 +459,9 @@ return {verdict}
 # A worker's lease of a dataset's budget (workers/leases.py): the claim of the lease's name ARGV[1]
 # under ARGV[9] (SET NX EX ARGV[10]), then up to ARGV[11] slots of ARGV[5] tokens each (its tasks'
 # max_tokens) reserved as one capped reservation under that name, in one step with admission's
-# due pass. Returns {verdict, slots granted, responses, completion tokens}: -4 (nothing granted,
-# the claim let go) when fewer than two slots fit, in a closing round, or when admission would
-# not admit (closed, lost counters); a removed budget grants nothing and answers ADMITTED.
+# due pass. Returns {verdict, slots granted, responses, completion tokens}: -4 when fewer than two
+# slots fit or in a closing round, CLOSED and LOST as admission answers them, ADMITTED with no
+# slots when the budget was removed; whenever nothing is granted, the claim is let go in the step.
 LEASE = SETTLE + _ADMIT_BODY + """
 if not redis.call('SET', ARGV[4] .. ARGV[1], ARGV[9], 'NX', 'EX', ARGV[10]) then return {-3, 0} end
 claim_ttl_ms = tonumber(ARGV[10]) * 1000
@@ -474,14 +474,13 @@ return {verdict, leased}
 
 # Slots of a lease its worker will not use (it expired, the worker stops): ARGV[2] tokens out of
 # the lease ARGV[1], only while it is the one taken under the claim token ARGV[3] (claim key
-# prefix ARGV[4]). Returns 1, or 2 when that spent it (its claim let go too).
+# prefix ARGV[4]); spent, its claim goes too. Returns 1 when it took them out.
 LEASE_RETURN = SETTLE + """
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 if not v or string.sub(v, -#ARGV[3] - 1) ~= ':' .. ARGV[3] then return 0 end
 local A = load(KEYS[3])
 if not shrink(KEYS[1], KEYS[2], A, ARGV[1], v, tonumber(ARGV[2]), ARGV[4]) then return 0 end
 save(KEYS[3], A)
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 2 end
 return 1
 """
 
