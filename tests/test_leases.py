@@ -77,10 +77,27 @@ def test_a_task_that_stores_nothing_frees_its_slot_and_unused_slots_go_back(redi
     book.done(lease)  # a duplicate, a failure: nothing counted
     assert book.admit("ds", CAP, 10**6) is lease and lease.free == 7 and lease.running == 1
     monkeypatch.setattr(leases_mod, "LEASE_S", 0.0)
-    book.retire_stale()
+    book.retire({"ds"})
     assert lease.retired and _agg(r)["cc"] == CAP  # seven slots back, the running one held
     book.done(lease)
     assert not r.hlen(rk.reservations("ds")) and not _held_lease_claims(r)
+
+
+def test_a_dataset_no_longer_consumed_gives_its_lease_back_at_once(redis_server):
+    """Drained, pivoted away or paused: the worker's lease of that dataset ends when it stops
+    consuming it, not LEASE_S later, so its unused slots are the other kind's budget at once."""
+    r = redis_server.client()
+    _, _, book = _book(r)
+    lease = book.admit("ds", CAP, 10**6)
+    other = book.admit("other", CAP, 10**6)
+    book.retire({"ds", "other"})
+    assert not lease.retired and not other.retired
+    book.retire({"other"})  # ds drained: its running task keeps one slot until it ends
+    assert lease.retired and _agg(r)["cc"] == CAP and not other.retired
+    book.hand(lease)
+    Ledger(r).count_batch([(_rec(secrets.token_hex(32), 7), "t", lease.name, lease.cap)])
+    book.counted(lease)
+    assert not r.hexists(rk.reservations("ds"), lease.name) and _held_lease_claims(r) == []
 
 
 def test_no_lease_near_the_budget_nor_once_closed(redis_server):
@@ -128,5 +145,5 @@ def test_a_lease_admits_nothing_once_redis_lost_its_state_or_the_budget_moved(re
         book.done(lease)
     assert _held_lease_claims(r) == [third.name]
     r.delete(rk.COUNTERS_BUILT)  # lost: nothing admitted on counters the store does not vouch for
-    book.retire_stale()
+    book.retire({"ds"})
     assert book.admit("ds", CAP - 1, 10**6 - 1) is None

@@ -127,13 +127,15 @@ class Leases:
         if back is not None:
             self._give_back(back)
 
-    def retire_stale(self) -> None:
-        """End the leases past ``LEASE_S`` or taken before Redis lost its state (their unused slots go
-        back): called every second by the runtime's watch, so an idle lease holds no budget."""
+    def retire(self, consumed: set[str]) -> None:
+        """End the leases of datasets this worker does not consume now (drained, pivoted away, paused),
+        and those past ``LEASE_S`` or taken before Redis lost its state: their unused slots go back at
+        once, to the workers that take the dataset now. Called by the runtime whenever it steers its
+        consumer, at least every second, so an idle lease holds no budget."""
         with self._lock:
-            stale = [self._retire(lease) for at, lease in list(self._current.items())
-                     if not self._usable(lease, lease.budget)]
-        for lease in stale:
+            ended = [self._retire(lease) for lease in list(self._current.values())
+                     if lease.dataset not in consumed or not self._usable(lease, lease.budget)]
+        for lease in ended:
             self._give_back(lease)
 
     def close(self) -> None:

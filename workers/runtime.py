@@ -191,7 +191,6 @@ class Runtime:
                 self.refresh()
             except redis.RedisError:
                 continue  # keep the last known settings while Redis is away
-            self.leases.retire_stale()
             self.sync()
             if self.allowed != before:
                 self.heartbeat()  # status shows the change now, not at the next beat
@@ -217,6 +216,8 @@ class Runtime:
         with self._lock:
             held = {d for d, until in self.held.items() if until > now}
             self.consuming = set() if self.paused else {rk.queue(d) for d in self.allowed - held}
+            consumed = set() if self.paused else self.allowed - held
+        self.leases.retire(consumed)  # what it no longer takes, it reserves no budget for
         consumer = self._consumer
         if consumer is not None:
             consumer.call_soon(self._apply)
