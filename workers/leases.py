@@ -7,9 +7,9 @@ while one is free, a task of that dataset is admitted here with its key's claim 
 
 What it guarantees. A slot is used once: its result's count takes it out of the lease
 (``COUNT_BATCH``, workers/tally.py); a task that ends without a result frees it for the next. A lease
-admits for at most ``LEASE_S`` after it was taken, and none once the dataset's budget changed or
-Redis lost its state (the claims' ``rk.STATE`` marker moved), so a lowered budget or a flush is
-obeyed within a poll. Its unused slots then go back (``Ledger.lease_return``), and its claim,
+admits for at most ``LEASE_S`` after it was taken, and none once the worker stops consuming the
+dataset (a drain, a pivot, a pause), the dataset's budget changed or Redis lost its state (the
+claims' ``rk.STATE`` marker moved), so a pivot, a lowered budget or a flush is obeyed within a poll. Its unused slots then go back (``Ledger.lease_return``), and its claim,
 refreshed by the worker's beat meanwhile, is let go once the last of its results is counted. A
 worker killed holding a lease: its claim lapses and admission's due pass drops the reservation. No
 lease is granted near the budget or in a closing round: tasks are then admitted one by one
