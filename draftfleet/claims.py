@@ -76,15 +76,9 @@ class Claims:
 
     def hold(self, key: str, token: str) -> None:
         """Refresh ``key``, claimed in Redis under ``token`` by a larger step (a lease of a budget,
-        workers/leases.py), with every beat until :meth:`let_go`; it counts as no running task."""
+        workers/leases.py), with every beat until :meth:`forget`; it counts as no running task."""
         with self._lock:
             self._held.add((key, token))
-
-    def let_go(self, key: str, token: str) -> None:
-        """Stop refreshing a claim taken by :meth:`hold` and delete it, under its own token."""
-        with self._lock:
-            self._held.discard((key, token))
-        self._delete([(key, token)])
 
     def acquire(self, key: str, dataset: str, take: Callable[[str], bool] | None = None) -> str | None:
         """Claim ``key`` for one task of ``dataset``: its token, or None when another task holds it.

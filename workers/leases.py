@@ -8,9 +8,10 @@ while one is free, a task of that dataset is admitted here with its key's claim 
 What it guarantees. A slot is used once: its result's count takes it out of the lease
 (``COUNT_BATCH``, workers/tally.py); a task that ends without a result frees it for the next. A lease
 admits for at most ``LEASE_S`` after it was taken, and none once the worker stops consuming the
-dataset (a drain, a pivot, a pause), the dataset's budget changed or Redis lost its state (the
-claims' ``rk.STATE`` marker moved), so a pivot, a lowered budget or a flush is obeyed within a poll. Its unused slots then go back (``Ledger.lease_return``), and its claim,
-refreshed by the worker's beat meanwhile, is let go once the last of its results is counted. A
+dataset (a drain, a pivot, a pause, a stop), the dataset's budget changed or Redis lost its state
+(the claims' ``rk.STATE`` marker moved), so each of those is obeyed within a poll. Its unused
+slots then go back (``Ledger.lease_return``), and its claim, refreshed by the worker's beat
+meanwhile, is let go once the last of its results is counted. A
 worker killed holding a lease: its claim lapses and admission's due pass drops the reservation. No
 lease is granted near the budget or in a closing round: tasks are then admitted one by one
 (``Ledger.claim_admit``), and this worker asks again after ``RETRY_S``.
@@ -53,7 +54,7 @@ class Lease:
         self.running = 0  # tasks admitted under it that have not ended
         self.pending = 0  # results handed to the tally, not yet counted (each takes its slot out)
         self.retired = False  # admits no more; its unused slots went back
-        self.stuck = False  # a return of its slots failed (Redis away): its claim is deleted by the worker
+        self.stuck = False  # slots not taken out (a return failed, a count given up): the worker deletes its claim
 
     @property
     def claim(self) -> str:
@@ -109,10 +110,12 @@ class Leases:
             lease.pending -= 1
             lease.running += 1
 
-    def counted(self, lease: Lease) -> None:
-        """The tally counted (or gave up counting) a result taken under ``lease``."""
+    def counted(self, lease: Lease, *, lost: bool = False) -> None:
+        """The tally counted a result taken under ``lease`` (``lost``: gave up counting it, its slot
+        still in the lease: the lease's claim is then deleted, and the due pass drops the rest)."""
         with self._lock:
             lease.pending -= 1
+            lease.stuck = lease.stuck or lost
             done = lease.retired and not lease.running and not lease.pending
         if done:
             self._end(lease)
@@ -128,21 +131,14 @@ class Leases:
             self._give_back(back)
 
     def retire(self, consumed: set[str]) -> None:
-        """End the leases of datasets this worker does not consume now (drained, pivoted away, paused),
-        and those past ``LEASE_S`` or taken before Redis lost its state: their unused slots go back at
-        once, to the workers that take the dataset now. Called by the runtime whenever it steers its
-        consumer, at least every second, so an idle lease holds no budget."""
+        """End the leases of datasets this worker does not consume now (drained, pivoted away, paused;
+        none on a clean stop), and those past ``LEASE_S`` or taken before Redis lost its state: their
+        unused slots go back at once, to the workers that take the dataset now. Called by the runtime
+        whenever it steers its consumer, at least every second, so an idle lease holds no budget."""
         with self._lock:
             ended = [self._retire(lease) for lease in list(self._current.values())
                      if lease.dataset not in consumed or not self._usable(lease, lease.budget)]
         for lease in ended:
-            self._give_back(lease)
-
-    def close(self) -> None:
-        """A clean stop: every lease ends, its unused slots go back."""
-        with self._lock:
-            leases = [self._retire(lease) for lease in list(self._current.values())]
-        for lease in leases:
             self._give_back(lease)
 
     def _usable(self, lease: Lease, budget: int) -> bool:
@@ -195,7 +191,7 @@ class Leases:
         Redis, so the beat stops refreshing it. After a failed return, or when Redis lost its data
         since (no reservation was left to spend; the beat put the claim back), the claim is deleted
         here, and admission's due pass drops whatever its reservation still holds."""
+        claim = [(lease.claim, lease.token)]
+        self.claims.forget(claim)
         if lease.stuck or lease.state != self.claims.state_seen:
-            self.claims.let_go(lease.claim, lease.token)
-        else:
-            self.claims.forget([(lease.claim, lease.token)])
+            self.claims.drop(claim)

@@ -166,7 +166,7 @@ class Runtime:
 
     def stop(self) -> None:
         self._stop.set()
-        self.leases.close()  # the unused slots of its leases go back
+        self.leases.retire(set())  # the unused slots of its leases go back
         self.tally.close()  # what this worker stored is counted before it goes
         self.claims.withdraw()
 

@@ -114,8 +114,8 @@ class Tally:
                 self.ledger.release(record.dataset, record.key, token)
             except redis.RedisError:
                 pass  # the reservation lapses with the claim
-            if lease is not None:  # its slot goes with the lease, once the lease's claim is let go
-                self.leases.counted(lease)
+            if lease is not None:  # its slot goes with the lease, whose claim the worker then deletes
+                self.leases.counted(lease, lost=True)
         self.claims.forget([(key, token) for _, key, token, _ in batch])
         self.claims.drop([(key, token) for _, key, token, _ in batch])
 

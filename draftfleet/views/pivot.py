@@ -34,8 +34,9 @@ def claims_by_kind(r: redis.Redis, datasets: list[str]) -> dict[str, int]:
     kind_of = {w.hostname: w.kind for w in worker_reports(r)}
     out = dict.fromkeys(KINDS, 0)
     for ds in datasets:
-        keys = [k for k in r.scan_iter(match=rk.claim(ds, "*"), count=1000)
-                if not rk.is_lease(k.decode()[len(rk.claim(ds, "")):])]  # a worker's lease is no task
+        prefix = rk.claim(ds, "")
+        keys = [k for k in r.scan_iter(match=prefix + "*", count=1000)
+                if not rk.is_lease(k.decode()[len(prefix):])]  # a worker's lease is no task
         for holder in r.mget(keys) if keys else []:
             if holder is None:
                 continue
