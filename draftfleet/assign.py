@@ -64,8 +64,11 @@ _manifest = msgspec.json.Decoder(DatasetManifest)
 
 def publish(r: redis.Redis, manifest: DatasetManifest) -> None:
     """Make a dataset's settings (its manifest) live for every running process; its budget too,
-    on its own (``rk.BUDGETS``), for admission to read on every task without the manifest."""
-    budget = "none" if manifest.budget_tokens is None else str(manifest.budget_tokens)
+    on its own (``rk.BUDGETS``, with its rule), for admission to read on every task without the
+    manifest, and for every worker's lease to be retired by before it admits again."""
+    from draftfleet.ledger import publish_value  # (ledger imports the schemas this module does)
+
+    budget = publish_value(manifest.budget_tokens, manifest.budget_rule)
     pipe = r.pipeline(transaction=True)
     pipe.hset(rk.DATASETS, manifest.name, msgspec.json.encode(manifest))
     pipe.hset(rk.BUDGETS, manifest.name, budget)

@@ -8,43 +8,40 @@ A conversation's turns count against the budget the moment each is paid (``prepa
 dataset's ``paid_tokens``), before its record exists; counting the record moves them into the
 totals. Admission's committed tokens are the counted ones plus those.
 
-Budget admission, in two phases. Before generating, a task reserves the dataset's expected tokens
-(the running mean). (1) Tasks are admitted freely while committed + reserved + half a response
-+ a safety margin (3 standard deviations of the length times the square root of what is in
-flight) stays within the budget. A response still running long after admission is a long one
-(short ones finish first, and lengths are heavy-tailed), so its reservation grows to twice the
-tokens one stream makes in that time, up to max_tokens.
-(2) Past that, closing rounds: each waits until nothing is in flight, then admits up to half of
-the room left (and never past the budget as published now, which may have been lowered since the
-round began); rounds shrink until less than one response fits, and the dataset closes (its
-queue is purged, later tasks are skipped). Waiting rounds have no stragglers to guess about, so
-the total lands within about one response of the budget.
+The budget's rule, exact by construction (RELIABILITY.md says it in one paragraph). Before it
+generates, a task reserves the most it can make: its max_tokens (times the turns it has left). It
+is admitted while committed + reserved + that stays within the budget; where less is left, but at
+least ``floor`` (1% of the budget, never more than the task's max_tokens), it reserves exactly
+what is left and is asked with that as its max_tokens, so its answer stops there and is stored as
+cut (``truncated``). Counting a result replaces its reservation by what it made, never more. So
+committed + reserved never passes the budget, and neither does what is stored; while prompts
+remain, what comes back short frees room for the next, until less than the floor is left and
+nothing is in flight: the dataset is then full (closed), within 1% of its budget. Nothing is
+estimated: no running mean, no margin, no closing round. A dataset may ask for whole answers
+instead (``budget_rule = "whole"``): admitted while any room is left, at its full max_tokens, it
+ends over its budget by less than one answer.
 
 Admission runs only on counters the store vouches for: ``rk.COUNTERS_BUILT`` is set by the rebuild
 from the store alone (reconcile.py) and goes with everything else when Redis loses its data, so
 a flushed Redis answers LOST instead of admitting on counters back at zero (which would spend a
 closed budget a second time); the spend caps are checked the same way (:meth:`Ledger.spend_known`).
+After the rebuild each running task's reservation is made again at the most it can make
+(:meth:`Ledger.restore`), never less than it was granted.
 
-Redis work per admission does not grow with what is in flight. The reserved total is kept as
-aggregates updated when a reservation is taken, changes state or is settled: a reservation is
-``young`` (it holds its expected tokens), ``old`` (it holds twice what one stream made since its
-admission, summed over the group as count x now - sum of admission times, up to the group's caps)
-or ``capped`` (it holds its own cap: its task's max_tokens for the turns it has left). Each
-reservation sits in a sorted set at the time of its next event: its move to the next state, or
-the moment its claim would lapse. An admission handles only the due entries (at most
-``EXPIRE_BATCH``): a reservation whose claim is gone (its worker died) or is another copy's is
-dropped, a live one is rescheduled, so each reservation costs O(log n) a claim TTL, not a scan
-per admission. A reservation belongs to the claim it was taken under: only that claim's task
-releases it, so a stale copy (its claim lapsed, the key claimed again) never frees the
-reservation of the copy that runs now.
+Redis work per admission does not grow with what is in flight: the reserved total is kept beside
+the entries, and each reservation sits in a sorted set at the time its claim is looked at next. An
+admission handles only the due entries (at most ``EXPIRE_BATCH``): a reservation whose claim is
+gone (its worker died) or is another copy's is dropped, a live one is looked at again a claim TTL
+later. A reservation belongs to the claim it was taken under: only that claim's task releases it,
+so a stale copy (its claim lapsed, the key claimed again) never frees the reservation of the copy
+that runs now.
 
 Leases: far from the budget a worker reserves for many tasks in one step (:meth:`Ledger.lease`,
-workers/leases.py): one capped reservation of n slots, each its tasks' max_tokens, granted only
-while n slots fit in half of what phase (1) would still admit and no closing round runs. Each
-result counted takes its slot out (``COUNT_BATCH``), slots left unused go back
-(:meth:`Ledger.lease_return`), and a lease belongs to its claim like any reservation (its worker
-dead, it lapses). A slot holds the most its task can make, so leased work never pushes the total
-past what phase (1) allows; near the budget, tasks are admitted one by one as above.
+workers/leases.py): one reservation of n slots, each its tasks' max_tokens, granted only while the
+n slots fit in half of the room left. Each result counted takes its slot out (``COUNT_BATCH``, once
+per key however often the batch runs), slots left unused go back (:meth:`Ledger.lease_return`),
+and a lease belongs to its claim like any reservation (its worker dead, it lapses). A slot holds
+the most its task can make, so leased work obeys the same rule.
 """
 
 from __future__ import annotations
@@ -57,6 +54,7 @@ import redis
 from draftfleet import redis_keys as rk
 from draftfleet.ledger_scripts import (ADMIT, BUDGET_FIELDS, CHARGE, CLAIM_ADMIT, COUNT_BATCH, COUNT_ONCE, DROP_DEAD,
                                        LEASE, LEASE_RETURN, PREPAY, PURGE, REBUILD_PAID, RELEASE, RESTORE)
+from draftfleet.schemas.config import BudgetRule
 from draftfleet.schemas.records import ChargeRecord, ResponseRecord
 
 RATE_BUCKET_S = 10
@@ -70,7 +68,30 @@ RECHECK_MS = 30_000
 # LOST: the counters are not known to be the store's (``rk.COUNTERS_BUILT`` is gone): rebuild them first.
 ADMITTED, WAIT, REFUSED, CLOSED, LOST = 1, 2, 0, -1, -2
 CLAIMED = -3  # claim_admit: another task holds the key's claim (nothing reserved)
-NO_LEASE = -4  # lease: no slots granted (too near the budget, a closing round): admit task by task
+NO_LEASE = -4  # lease: no slots granted (too near the budget): admit task by task
+FLOOR_FRACTION = 100  # near the end, less than budget / 100 left is not worth a task: the dataset is full
+
+
+def floor_tokens(budget: int, want: int) -> int:
+    """The least admission grants a task near the end (``want``: its max_tokens x turns left): 1% of
+    the budget, never more than the task would ask. A dataset stops within that of its budget."""
+    return max(1, min(want, budget // FLOOR_FRACTION))
+
+
+def publish_value(budget: int | None, rule: BudgetRule = "exact") -> str:
+    """The budget as ``rk.BUDGETS`` holds it: what admission parses, and a lease compares (assign.py)."""
+    if budget is None:
+        return "none"
+    return f"{budget} whole" if rule == "whole" else str(budget)
+
+
+class Admission(msgspec.Struct, frozen=True):
+    """A task's admission: the verdict, the tokens it may make (its max_tokens now: less than the
+    dataset's near the end), and the budget as admission read it (``rk.BUDGETS``'s value)."""
+
+    verdict: int
+    granted: int = 0
+    budget: str = ""
 
 
 class BudgetUse(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,34 +105,29 @@ class BudgetUse(msgspec.Struct, frozen=True, kw_only=True):
     paid_tokens: int  # tokens of the paid turns of conversations with no record yet (kept in _progress/)
     spent_tokens: int  # the two together: what admission counts as committed
     left_tokens: int | None  # the budget less what is spent (None: no budget)
-    expected_tokens: int  # what admission reserves for the next prompt (:func:`reservation`)
-    full: bool  # less than that is left: admission refuses the next prompt and the dataset closes
+    floor_tokens: int  # the least admission grants a prompt near the end (:func:`floor_tokens`)
+    rule: BudgetRule = "exact"  # exact: never above (answers cut at the end); whole: over by < one answer
+    full: bool  # less than the floor is left: admission refuses the next prompt and the dataset closes
 
 
-def budget_use(budget: int | None, stored: int, paid: int, expected: int) -> BudgetUse:
-    """The one definition of a budget's use: spent = stored records + paid turns not stored."""
+def budget_use(budget: int | None, stored: int, paid: int, max_tokens: int, rule: BudgetRule = "exact") -> BudgetUse:
+    """The one definition of a budget's use: spent = stored records + paid turns not stored; full
+    once less than the floor is left (whole answers: once nothing is left). Reserved tokens are
+    in flight, not spent: they may come back short, so they never make a dataset full."""
     spent = stored + paid
     left = None if budget is None else max(0, budget - spent)
+    floor = 0 if budget is None else floor_tokens(budget, max_tokens)
+    full = left is not None and (left <= 0 if rule == "whole" else left < floor)
     return BudgetUse(budget_tokens=budget, stored_tokens=stored, paid_tokens=paid, spent_tokens=spent,
-                     left_tokens=left, expected_tokens=expected, full=left is not None and left < expected)
+                     left_tokens=left, floor_tokens=floor, rule=rule, full=full)
 
 
-def expected_tokens(responses: int, completion_tokens: int, max_tokens: int) -> int:
-    """Tokens the next response of a dataset is expected to take: the running mean once five are
-    counted, else half of ``max_tokens`` (what admission reserves)."""
-    if responses >= 5:
-        return max(1, round(completion_tokens / responses))
-    return max(1, max_tokens // 2)
+def _text(v: bytes | str | None) -> str:
+    return v.decode() if isinstance(v, bytes) else (v or "")
 
 
-def reservation(responses: int, completion_tokens: int, max_tokens: int, turns: int = 1,
-                turns_left: int | None = None) -> int:
-    """What admission reserves for a prompt of ``turns`` answers, ``turns_left`` of them still to
-    come (default all: a new one). A record is a whole conversation, so the expected tokens per
-    record (before five: half of ``max_tokens`` for each turn) are scaled to the turns left. The
-    worker's admission and every view's ``full`` take it from here, so they cannot disagree."""
-    turns_left = turns if turns_left is None else turns_left
-    return max(1, expected_tokens(responses, completion_tokens, max_tokens * turns) * turns_left // turns)
+def _admission(out: list) -> Admission:
+    return Admission(int(out[0]), int(out[1]), _text(out[2]))
 
 
 def micro_usd(cost: float) -> int:
@@ -138,9 +154,6 @@ class Ledger:
         self._count_batch = client.register_script(COUNT_BATCH)
         self._lease = client.register_script(LEASE)
         self._lease_return = client.register_script(LEASE_RETURN)
-        # dataset -> (responses, completion_tokens) as the last claim_admit read them: the running
-        # mean the next reservation is taken from, with no read of its own (worker_reservation)
-        self._seen: dict[str, tuple[int, int]] = {}
 
     # -- counting --------------------------------------------------------------------------
     def count(self, record: ResponseRecord, now: float | None = None, *, rate: bool = True) -> bool:
@@ -200,7 +213,7 @@ class Ledger:
             keys += [rk.counted_set(dataset), rk.totals(dataset, backend), rk.dataset_totals(dataset),
                      rk.reservations(dataset), *self._reservation_index(dataset), rk.rate(dataset, backend, bucket),
                      rk.events(dataset)]
-        body = msgspec.json.encode([[rk.claim(d, ""), recs] for d, recs in groups.items()])
+        body = msgspec.json.encode([[rk.claim(d, ""), recs, rk.lease_taken_prefix(d)] for d, recs in groups.items()])
         return int(self._count_batch(keys=keys, args=[RATE_KEEP_S, body]))
 
     def prepay(self, dataset: str, key: str, turn: int, backend: str, cost_usd: float, tokens: int,
@@ -253,81 +266,62 @@ class Ledger:
         return _decode_hash(self.r.hgetall(rk.events(dataset)))
 
     # -- budgets ---------------------------------------------------------------------------
-    def expected_tokens(self, dataset: str, max_tokens: int) -> int:
-        """Tokens a response of this dataset is expected to take: the running mean, once known."""
-        return self.reservation(dataset, max_tokens)
-
-    def reservation(self, dataset: str, max_tokens: int, turns: int = 1, turns_left: int | None = None) -> int:
-        """What :meth:`admit` is asked to reserve for a prompt of this dataset (:func:`reservation`)."""
-        t = self.dataset_totals(dataset)
-        return reservation(t.get("responses", 0), t.get("completion_tokens", 0), max_tokens, turns, turns_left)
-
-    def budget_use(self, dataset: str, budget: int | None, max_tokens: int, turns: int = 1) -> BudgetUse:
+    def budget_use(self, dataset: str, budget: int | None, max_tokens: int, turns: int = 1,
+                   rule: BudgetRule = "exact") -> BudgetUse:
         """The dataset's budget as admission sees it now (``max_tokens``: its tasks'; ``turns``: the
         answers of the next prompt, a new conversation's turns)."""
         t = self.dataset_totals(dataset)
         stored, paid = (t.get(f, 0) for f in BUDGET_FIELDS)
-        return budget_use(budget, stored, paid, reservation(t.get("responses", 0), stored, max_tokens, turns))
+        return budget_use(budget, stored, paid, max_tokens * turns, rule)
 
-    def admit(self, dataset: str, key: str, token: str, budget: int, expected: int, max_tokens: int) -> int:
-        """ADMITTED (reservation held), WAIT (no room unless what is in flight comes in short),
-        REFUSED (this call closed the dataset), CLOSED, or LOST (the counters were not rebuilt
-        from the store since Redis lost its data: nothing is admitted on them). Needs the task's claim, held under
-        ``token``: the reservation is that claim's (released by it, dropped once it is gone).
-        ``max_tokens`` is the most the task can make, what its reservation may grow to.
+    def _admission_keys(self, dataset: str) -> list[str]:
+        return [rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset),
+                rk.reservations_due(dataset), rk.reserved_sum(dataset), rk.BUDGETS, rk.COUNTERS_BUILT]
 
-        ``budget`` counts only while the dataset has no published budget (assign.py)."""
-        return int(self._admit(
-            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
-                  *self._reservation_index(dataset), rk.BUDGETS, rk.COUNTERS_BUILT],
-            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset, token],
-        ))
+    def _args(self, dataset: str, key: str, token: str, budget: int, want: int) -> list:
+        return [key, budget, want, rk.claim(dataset, ""), RECHECK_MS, EXPIRE_BATCH, dataset, token, FLOOR_FRACTION]
 
-    def claim_admit(self, dataset: str, key: str, token: str, ttl_s: int, budget: int, expected: int,
-                    max_tokens: int) -> int:
+    def admit(self, dataset: str, key: str, token: str, budget: int, want: int) -> Admission:
+        """Reserve for the task holding ``key``'s claim under ``token`` the most it can make, ``want``
+        (its max_tokens x turns left), or what is left of the budget where that is less (but at
+        least the floor): ADMITTED with the tokens granted (the task's max_tokens now), WAIT (what
+        is in flight may come back short), REFUSED (this call found the dataset full and closed
+        it), CLOSED, or LOST (the counters were not rebuilt from the store since Redis lost its
+        data: nothing is admitted on them). The reservation is the claim's (released by it,
+        dropped once it is gone). ``budget`` counts only while the dataset has no published
+        budget (assign.py)."""
+        out = self._admit(keys=self._admission_keys(dataset), args=self._args(dataset, key, token, budget, want))
+        return _admission(out)
+
+    def claim_admit(self, dataset: str, key: str, token: str, ttl_s: int, budget: int, want: int) -> Admission:
         """Claim ``key`` under ``token`` (``SET NX EX ttl_s``) and admit it, in one round trip:
-        CLAIMED when another task holds the claim (nothing reserved), else :meth:`admit`'s verdict
-        with the claim held (the caller releases it, as after ``acquire``). Keeps the counters it
-        read for the next :meth:`worker_reservation`."""
-        out = self._claim_admit(
-            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
-                  *self._reservation_index(dataset), rk.BUDGETS, rk.COUNTERS_BUILT],
-            args=[key, budget, expected, rk.claim(dataset, ""), max_tokens, RECHECK_MS, EXPIRE_BATCH, dataset, token,
-                  ttl_s],
-        )
-        if len(out) == 3:
-            self._seen[dataset] = (int(out[1]), int(out[2]))
-        return int(out[0])
+        CLAIMED when another task holds the claim (nothing reserved), else :meth:`admit`'s answer
+        with the claim held (the caller releases it, as after ``acquire``)."""
+        out = self._claim_admit(keys=self._admission_keys(dataset),
+                                args=[*self._args(dataset, key, token, budget, want), ttl_s])
+        return _admission(out)
 
-    def lease(self, dataset: str, name: str, token: str, ttl_s: int, budget: int, slots: int, cap: int) -> tuple[int, int]:
+    def lease(self, dataset: str, name: str, token: str, ttl_s: int, budget: int, slots: int,
+              cap: int) -> tuple[int, int, str]:
         """Claim the lease ``name`` under ``token`` and reserve up to ``slots`` tasks of at most ``cap``
-        tokens each, in one step (``LEASE``): (verdict, slots granted). ADMITTED with slots: the lease
-        is held (its claim refreshed by the worker's beat); NO_LEASE, CLOSED or LOST: nothing held, admit
-        task by task; ADMITTED with none: the dataset has no budget any more."""
-        out = self._lease(
-            keys=[rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset), rk.closing(dataset),
-                  *self._reservation_index(dataset), rk.BUDGETS, rk.COUNTERS_BUILT],
-            args=[name, budget, 0, rk.claim(dataset, ""), cap, RECHECK_MS, EXPIRE_BATCH, dataset, token, ttl_s, slots],
-        )
-        if len(out) == 4:
-            self._seen[dataset] = (int(out[2]), int(out[3]))
-        return int(out[0]), int(out[1])
+        tokens each, in one step (``LEASE``): (verdict, slots granted, the budget as published).
+        ADMITTED with slots: the lease is held (its claim refreshed by the worker's beat); NO_LEASE,
+        CLOSED or LOST: nothing held, admit task by task; ADMITTED with none: the dataset has no
+        budget any more, or takes whole answers (admitted one by one)."""
+        out = self._lease(keys=self._admission_keys(dataset),
+                          args=[*self._args(dataset, name, token, budget, cap), ttl_s, slots])
+        return int(out[0]), int(out[1]), _text(out[2])
 
     def lease_return(self, dataset: str, name: str, token: str, tokens: int) -> None:
         """Give back ``tokens`` of the lease ``name`` (slots its worker will not use), only while it
         is the one taken under ``token``; spent, the lease's reservation and claim are dropped (as
         when ``COUNT_BATCH`` counts its last slot)."""
         self._lease_return(keys=[rk.reservations(dataset), *self._reservation_index(dataset)],
-                           args=[name, tokens, token, rk.claim(dataset, "")])
+                           args=[name, tokens, token, rk.claim(dataset, ""), rk.lease_taken_prefix(dataset)])
 
-    def worker_reservation(self, dataset: str, max_tokens: int) -> int:
-        """:meth:`reservation` for a new single answer, from the counters the last
-        :meth:`claim_admit` read (one admission old: the running mean moves by one response at
-        most), read afresh only the first time."""
-        seen = self._seen.get(dataset)
-        if seen is None:
-            return self.reservation(dataset, max_tokens)
-        return reservation(seen[0], seen[1], max_tokens)
+    def published_budget(self, dataset: str) -> str:
+        """The budget as admission reads it now (``rk.BUDGETS``; '' when none was published)."""
+        return _text(self.r.hget(rk.BUDGETS, dataset))
 
     @staticmethod
     def _reservation_index(dataset: str) -> list[str]:
@@ -340,14 +334,13 @@ class Ledger:
 
     def restore(self, dataset: str, max_tokens: int) -> int:
         """Reserve again for every key of ``dataset`` a running task holds with no reservation (Redis
-        lost them, and the worker's heartbeat put its claims back): the expected tokens of a new
-        prompt, growing as any reservation does up to ``max_tokens``; how many."""
+        lost them, and the worker's heartbeat put its claims back): ``max_tokens`` (the most a task
+        of it can make, x the turns of a conversation), never less than it was granted; how many."""
         prefix = rk.claim(dataset, "")
         held = [k.decode()[len(prefix):] for k in self.r.scan_iter(match=prefix + "*", count=1000)]
         held = [k for k in held if not rk.is_lease(k)]  # a lease's tasks hold claims of their own, restored here
-        expected = self.reservation(dataset, max_tokens)
         keys = [rk.reservations(dataset), *self._reservation_index(dataset), rk.counted_set(dataset)]
-        return sum(int(self._restore(keys=keys, args=[k, expected, max_tokens, prefix, RECHECK_MS])) for k in held)
+        return sum(int(self._restore(keys=keys, args=[k, max_tokens, 0, prefix, RECHECK_MS])) for k in held)
 
     def drop_dead(self, dataset: str) -> int:
         """Drop every reservation whose claim is gone or held by another copy (a full pass, for
@@ -357,7 +350,7 @@ class Ledger:
         for k in entries:
             pipe.get(rk.claim(dataset, k))
         dead = [k for (k, v), holder in zip(entries.items(), pipe.execute())
-                if holder is None or v.split(":", 4)[-1] != holder.decode()]
+                if holder is None or v.split(":", 1)[-1] != holder.decode()]
         index = [rk.reservations(dataset), *self._reservation_index(dataset)]
         return sum(int(self._drop_dead(keys=index, args=[k, rk.claim(dataset, "")])) for k in dead)
 
@@ -367,7 +360,7 @@ class Ledger:
         return int(v) if v is not None else None
 
     def reopen(self, dataset: str) -> None:
-        self.r.delete(rk.closed(dataset), rk.closing(dataset))
+        self.r.delete(rk.closed(dataset))
 
     def purge_closed(self, dataset: str) -> int | None:
         """Drop the queued tasks of a closed dataset, but for conversations with paid turns (each

@@ -2,7 +2,7 @@
 or release falls between its reads and its writes (``ledger.py`` says what each keeps true).
 
 ``SETTLE`` is not run alone: it is the part the others share (a reservation's entry parsed, the
-aggregates loaded once, changed in Lua, and saved once).
+reserved total kept beside the entries).
 """
 
 from __future__ import annotations
@@ -11,74 +11,55 @@ from __future__ import annotations
 # the counted records' completion tokens, and the paid turns of conversations not stored yet.
 BUDGET_FIELDS = ("completion_tokens", "paid_tokens")
 
-# A reservation's entry is ``expected:admitted_ms:state:cap:token``: its own cap (its task's
-# max_tokens x turns left, what it may grow to) and the token of the claim it was taken under, so
-# that only that claim's task releases it and the due check drops it once that claim is gone.
-# The aggregates (hash ``agg``): n, ey = Σ expected of young ones, no / so / co = count, Σ(admitted
-# - t0) and Σ cap of old ones, cc = Σ cap of capped ones, t0 = origin of admission times (reset
-# when empty). A script reads them once (load), changes them in Lua, and writes them once (save).
-# settle(reservations, due, A, key, token) drops a reservation (only the token's, when one is
-# given) and takes its share out of A.
+# A reservation's entry is ``tokens:token``: the most its task can make (the max_tokens it was
+# granted, x the turns it has left; a lease's: its free and running slots x their max_tokens), and
+# the token of the claim it was taken under, so that only that claim's task releases it and the
+# due check drops it once that claim is gone. The reserved total is the field ``r`` of the hash
+# ``agg`` (rk.reserved_sum), moved with every entry, so admission never scans the entries.
+# settle(reservations, due, agg, key, token) drops a reservation (only the token's, when one is
+# given) and takes it out of the total.
 SETTLE = """
 local function parse(v)
-  local e, s, st, c, tok = string.match(v or '', '^(%d+):(%d+):(%a):(%d+):(.*)$')
-  if not st then return nil end
-  return tonumber(e), tonumber(s), st, tonumber(c), tok
+  local c, tok = string.match(v or '', '^(%d+):(.*)$')
+  if not c then return nil end
+  return tonumber(c), tok
 end
-local function load(agg)
-  local a = redis.call('HMGET', agg, 'n', 'ey', 'no', 'so', 'co', 'cc', 't0')
-  return {n = tonumber(a[1] or '0'), ey = tonumber(a[2] or '0'), no = tonumber(a[3] or '0'),
-          so = tonumber(a[4] or '0'), co = tonumber(a[5] or '0'), cc = tonumber(a[6] or '0'),
-          t0 = tonumber(a[7] or '0')}
+local function add(agg, n)
+  if n == 0 then return end
+  if redis.call('HINCRBY', agg, 'r', n) <= 0 then redis.call('DEL', agg) end
 end
-local function save(agg, A)
-  if A.n <= 0 then redis.call('DEL', agg) return end
-  redis.call('HSET', agg, 'n', A.n, 'ey', A.ey, 'no', A.no, 'so', A.so, 'co', A.co, 'cc', A.cc, 't0', A.t0)
-end
--- take a parsed entry's share out of A (its entry is deleted by the caller)
-local function share_out(A, e, s, st, c)
-  A.n = A.n - 1
-  if st == 'y' then A.ey = A.ey - e
-  elseif st == 'o' then A.no = A.no - 1 A.so = A.so - (s - A.t0) A.co = A.co - c
-  else A.cc = A.cc - c end
-end
-local function settle(res, due, A, k, token)
+local function settle(res, due, agg, k, token)
   local v = redis.call('HGET', res, k)
-  if not v then return 0 end  -- (a due entry left without its reservation is dropped when due)
-  local e, s, st, c, tok = parse(v)
+  if not v then return 0 end
+  local c, tok = parse(v)
   if token and tok ~= token then return 0 end  -- another copy's: not this task's to release
   redis.call('HDEL', res, k)
   redis.call('ZREM', due, k)
-  if not st then return 0 end  -- not an entry of this format: it has no share in the aggregates
-  share_out(A, e, s, st, c)
+  if c then add(agg, -c) end
   return 1
 end
--- a lease (ledger.py: a worker's reservation of several tasks' caps, state 'c') loses ``amount``
--- of its cap (slots counted or given back); spent, it is dropped, and its claim (``claim_prefix``
--- .. name) with it, while still its own
-local function shrink(res, due, A, name, v, amount, claim_prefix)
-  local e, s, st, c, tok = parse(v)
-  if st ~= 'c' then return false end
+-- a lease (workers/leases.py: one reservation of several tasks' max_tokens) loses ``amount`` (slots
+-- counted or given back); spent, it is dropped with its claim (``claim_prefix`` .. name, while
+-- still its own) and the set of keys whose slots it took out (``taken``)
+local function shrink(res, due, agg, name, v, amount, claim_prefix, taken)
+  local c, tok = parse(v)
+  if not c then return false end
   if c <= amount then
     redis.call('HDEL', res, name)
     redis.call('ZREM', due, name)
-    share_out(A, e, s, st, c)
+    add(agg, -c)
     if redis.call('GET', claim_prefix .. name) == tok then redis.call('DEL', claim_prefix .. name) end
+    if taken then redis.call('DEL', taken) end
   else
-    redis.call('HSET', res, name, e .. ':' .. s .. ':c:' .. (c - amount) .. ':' .. tok)
-    A.cc = A.cc - amount
+    redis.call('HSET', res, name, (c - amount) .. ':' .. tok)
+    add(agg, -amount)
   end
   return true
-end
-local function settle_one(res, due, agg, k, token)
-  local A = load(agg)
-  if settle(res, due, A, k, token) == 1 then save(agg, A) return 1 end
-  return 0
 end
 """
 
 COUNT_ONCE = SETTLE + """
-settle_one(KEYS[5], KEYS[7], KEYS[8], ARGV[1])
+settle(KEYS[5], KEYS[7], KEYS[8], ARGV[1])
 local added = redis.call('SADD', KEYS[1], ARGV[1])
 if added == 1 then
   for _, h in ipairs({KEYS[2], KEYS[4]}) do
@@ -123,17 +104,20 @@ end
 return added
 """
 
+
 # Counting a worker's stored results in batches (workers/tally.py): what COUNT_ONCE does for one
 # record, done for many in one step, with the counters written once per batch (not once per record
 # and field: the per-record HINCRBY loop was most of what a result cost the shared Redis), and each
 # result's claim released in the same step. Single answers only (a conversation's turns go through
 # COUNT_ONCE, for its paid marks).
 # KEYS[1] = the backend's spend; then 8 keys per dataset: counted set, totals(dataset, backend),
-# dataset totals, reservations, due index, aggregates, the rate bucket, events.
-# ARGV[1] = RATE_KEEP_S; ARGV[2] = cjson, per dataset: {claim key prefix, records}, each record
-# [key, prompt, completion, micro_usd, latency_ms, end_ms, start_ms, provider (0/1), claim token,
-# truncated (0/1), lease ('' when admitted alone), the lease's cap a slot], in the order they were
-# stored (the busy-time union runs in that order).
+# dataset totals, reservations, due index, reserved total, the rate bucket, events.
+# ARGV[1] = RATE_KEEP_S; ARGV[2] = cjson, per dataset: {claim key prefix, records, lease-taken
+# prefix}, each record [key, prompt, completion, micro_usd, latency_ms, end_ms, start_ms, provider
+# (0/1), claim token, truncated (0/1), lease ('' when admitted alone), the lease's cap a slot], in
+# the order they were stored (the busy-time union runs in that order).
+# A result's slot leaves its lease once however often the batch runs (a reply lost, the batch sent
+# again): the lease's set of keys taken out says which already left.
 # Returns how many records were newly counted.
 COUNT_BATCH = SETTLE + """
 local groups = cjson.decode(ARGV[2])
@@ -147,31 +131,43 @@ for g, grp in ipairs(groups) do
     if not first[r[1]] then first[r[1]] = true ks[#ks + 1] = r[1] end
   end
   -- settle each key's reservation, whichever copy took it (as COUNT_ONCE): one read, one delete
-  local A, dirty, gone = load(agg), false, {}
+  local freed, gone = 0, {}
   for i, v in ipairs(redis.call('HMGET', res, unpack(ks))) do
     if v then
       gone[#gone + 1] = ks[i]
-      local e, s, st, c = parse(v)
-      if st then share_out(A, e, s, st, c) dirty = true end
+      local c = parse(v)
+      if c then freed = freed + c end
     end
   end
-  if #gone > 0 then redis.call('HDEL', res, unpack(gone)) end
-  redis.call('ZREM', due, unpack(ks))
-  -- each record admitted under a lease takes its slot out of that lease (counted new or not: its task is done)
-  local dec, leases = {}, {}
+  if #gone > 0 then redis.call('HDEL', res, unpack(gone)) redis.call('ZREM', due, unpack(gone)) end
+  add(agg, -freed)
+  -- each record admitted under a lease takes its slot out of that lease, once per key
+  local byl, leases = {}, {}
   for _, r in ipairs(recs) do
     local ln = r[11]
     if ln ~= '' then
-      if not dec[ln] then dec[ln] = 0 leases[#leases + 1] = ln end
-      dec[ln] = dec[ln] + r[12]
+      if not byl[ln] then byl[ln] = {keys = {}, slot = r[12]} leases[#leases + 1] = ln end
+      local l = byl[ln].keys
+      l[#l + 1] = r[1]
     end
   end
   if #leases > 0 then
     for i, v in ipairs(redis.call('HMGET', res, unpack(leases))) do
-      if v and shrink(res, due, A, leases[i], v, dec[leases[i]], grp[1]) then dirty = true end
+      local ln = leases[i]
+      if v then
+        local taken, l = grp[3] .. ln, byl[ln]
+        local fresh = {}
+        for j, known in ipairs(redis.call('SMISMEMBER', taken, unpack(l.keys))) do
+          if known == 0 then fresh[#fresh + 1] = l.keys[j] end
+        end
+        if #fresh > 0 then
+          redis.call('SADD', taken, unpack(fresh))
+          redis.call('EXPIRE', taken, 3600)
+          shrink(res, due, agg, ln, v, #fresh * l.slot, grp[1], taken)
+        end
+      end
     end
   end
-  if dirty then save(agg, A) end
   -- count once: only the keys not counted yet (one check, one add)
   local known, new = redis.call('SMISMEMBER', cset, unpack(ks)), {}
   for i, k in ipairs(ks) do if known[i] == 0 then new[k] = true end end
@@ -270,8 +266,10 @@ if have ~= total then redis.call('HSET', KEYS[3], 'paid_tokens', total) end
 return total - have
 """
 
+
 # After Redis lost its data: a reservation again for a key a running task holds (its claim, put back
-# by its worker's heartbeat) that has none and is not counted, so that a rebuilt budget sees it.
+# by its worker's heartbeat) that has none and is not counted, so that a rebuilt budget sees it: the
+# most the task can make (its max_tokens x turns left), never less than it was granted.
 RESTORE = SETTLE + """
 local tok = redis.call('GET', ARGV[4] .. ARGV[1])
 if not tok or redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then
@@ -279,14 +277,136 @@ if not tok or redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('SISMEM
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local A = load(KEYS[3])
-if A.n <= 0 then A = {n = 0, ey = 0, no = 0, so = 0, co = 0, cc = 0, t0 = now} end
-A.n = A.n + 1
-A.ey = A.ey + tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. now .. ':y:' .. ARGV[3] .. ':' .. tok)
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. tok)
+add(KEYS[3], tonumber(ARGV[2]))
 local ttl = redis.call('PTTL', ARGV[4] .. ARGV[1])
 redis.call('ZADD', KEYS[2], now + ((ttl > 0) and ttl or tonumber(ARGV[5])), ARGV[1])
-save(KEYS[3], A)
+return 1
+"""
+
+RELEASE = SETTLE + "return settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])"
+
+# Drop a reservation only if the claim it was taken under is gone (checked here, atomically with
+# the drop): the key unclaimed, or claimed by another copy.
+DROP_DEAD = SETTLE + """
+local c, tok = parse(redis.call('HGET', KEYS[1], ARGV[1]))
+if c and redis.call('GET', ARGV[2] .. ARGV[1]) == tok then return 0 end
+return settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
+"""
+
+# Admission. One rule (ledger.py): a task reserves the most it can make, its max_tokens (x the
+# turns it has left); where less than that is left, exactly what is left, and it is asked with that
+# as its max_tokens, so no answer can run past the budget. Nothing is guessed: no running mean,
+# no margin, no closing round. The due pass drops the reservations whose claim is gone (their
+# worker died) and looks again at the live ones a claim TTL later.
+# KEYS: 1 dataset totals, 2 reservations, 3 closed, 4 due index, 5 reserved total, 6 rk.BUDGETS,
+# 7 rk.COUNTERS_BUILT. ARGV: 1 key (a lease's name), 2 the caller's budget (the published one
+# wins), 3 the task's max_tokens x turns left (a lease: one slot's), 4 claim key prefix,
+# 5 RECHECK_MS, 6 EXPIRE_BATCH, 7 dataset, 8 claim token, 9 FLOOR_FRACTION (near the end, at least
+# budget / it is granted, never more than the task asks: ``floor_tokens``), then the claim's TTL in seconds and a lease's slots (CLAIM_ADMIT, LEASE).
+# admit() returns the verdict, the tokens granted, and the budget as published (the string).
+_ADMIT_BODY = """
+local claim_ttl_ms = nil  -- the key's claim TTL when the caller has just set it (CLAIM_ADMIT, LEASE)
+local lease_slots = nil  -- LEASE: the slots asked for
+local function admit()
+local res, due, agg = KEYS[2], KEYS[4], KEYS[5]
+local flags = redis.call('MGET', KEYS[3], KEYS[7])
+if flags[1] then return -1, 0, '' end  -- closed
+if not flags[2] then return -2, 0, '' end  -- counters not rebuilt from the store since Redis lost them
+local want = tonumber(ARGV[3])
+-- the budget enqueue published last (assign.py, rk.BUDGETS) wins over the caller's, a second old
+local live = redis.call('HGET', KEYS[6], ARGV[7])
+local budget, whole = tonumber(ARGV[2]), false
+if live then
+  if live == 'none' then return 1, want, live end  -- no budget any more: nothing to reserve against
+  local b, rule = string.match(live, '^(%d+)%s*(%a*)$')
+  if b then budget = tonumber(b) whole = rule == 'whole' end
+end
+local f = redis.call('HMGET', KEYS[1], @BUDGET_FIELDS@)
+local committed = 0
+for i = 1, #f do committed = committed + tonumber(f[i] or '0') end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- only the due reservations: drop those whose claim lapsed or passed to another copy (their worker
+-- died, or was cut off for longer than a claim TTL), look again at the rest a claim TTL later
+for _, k in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))) do
+  local c, tok = parse(redis.call('HGET', res, k))
+  if not c then
+    redis.call('ZREM', due, k)  -- settled meanwhile: nothing left to look at
+  elseif redis.call('GET', ARGV[4] .. k) ~= tok then
+    settle(res, due, agg, k)  -- (a lease's set of keys taken out expires on its own)
+  else
+    local ttl = redis.call('PTTL', ARGV[4] .. k)
+    redis.call('ZADD', due, now + ((ttl > 0) and ttl or tonumber(ARGV[5])), k)
+  end
+end
+local reserved = tonumber(redis.call('HGET', agg, 'r') or '0')
+local room = budget - committed - reserved
+local grant = 0
+if lease_slots then
+  -- a lease: as many slots of ``want`` as fit in half the room, so that other workers find room too
+  if whole then return 1, 0, live end
+  local n = math.min(lease_slots, math.floor(room / (2 * want)))
+  if n < 2 then return -4, 0, live or '' end
+  grant = n * want
+elseif room >= want or (whole and room > 0) then
+  grant = want  -- whole answers: over by at most one answer's max_tokens, only where the dataset says so
+elseif room >= math.max(1, math.min(want, math.floor(budget / tonumber(ARGV[9])))) then
+  grant = room  -- the last stretch: asked with what is left as its max_tokens
+end
+if grant == 0 then
+  if reserved > 0 then return 2, 0, live or '' end  -- what is in flight may come in short: wait for it
+  redis.call('SET', KEYS[3], budget)  -- nothing in flight and less than the floor left: full
+  return 0, 0, live or ''
+end
+settle(res, due, agg, ARGV[1])
+redis.call('HSET', res, ARGV[1], grant .. ':' .. ARGV[8])
+add(agg, grant)
+local ttl = claim_ttl_ms or redis.call('PTTL', ARGV[4] .. ARGV[1])
+redis.call('ZADD', due, now + ((ttl > 0) and ttl or tonumber(ARGV[5])), ARGV[1])
+return 1, grant, live or ''
+end
+""".replace("@BUDGET_FIELDS@", ", ".join(f"'{f}'" for f in BUDGET_FIELDS))
+
+ADMIT = SETTLE + _ADMIT_BODY + """
+local verdict, grant, live = admit()
+return {verdict, grant, live}
+"""
+
+# The claim and the admission in one step (one round trip where there were two): the key's claim
+# under ARGV[8] (SET NX EX ARGV[10]), then admission as ADMIT; -3 when another task holds the claim
+# (nothing reserved).
+CLAIM_ADMIT = SETTLE + _ADMIT_BODY + """
+if not redis.call('SET', ARGV[4] .. ARGV[1], ARGV[8], 'NX', 'EX', ARGV[10]) then return {-3, 0, ''} end
+claim_ttl_ms = tonumber(ARGV[10]) * 1000
+local verdict, grant, live = admit()
+return {verdict, grant, live}
+"""
+
+# A worker's lease of a dataset's budget (workers/leases.py): the claim of the lease's name ARGV[1]
+# under ARGV[8] (SET NX EX ARGV[10]), then up to ARGV[11] slots of ARGV[3] tokens each (its tasks'
+# max_tokens) reserved as one reservation under that name, in one step with admission's due pass.
+# Returns {verdict, slots granted, the budget as published}: -4 when fewer than two slots fit,
+# CLOSED and LOST as admission answers them, ADMITTED with no slots when the budget was removed
+# or follows the whole-answers rule; whenever nothing is granted, the claim is let go in the step.
+LEASE = SETTLE + _ADMIT_BODY + """
+if not redis.call('SET', ARGV[4] .. ARGV[1], ARGV[8], 'NX', 'EX', ARGV[10]) then return {-3, 0, ''} end
+claim_ttl_ms = tonumber(ARGV[10]) * 1000
+lease_slots = tonumber(ARGV[11])
+local verdict, grant, live = admit()
+local slots = 0
+if verdict == 1 and grant > 0 then slots = grant / tonumber(ARGV[3]) end
+if slots == 0 then redis.call('DEL', ARGV[4] .. ARGV[1]) end
+return {verdict, slots, live}
+"""
+
+# Slots of a lease its worker will not use (it expired, the worker stops): ARGV[2] tokens out of
+# the lease ARGV[1], only while it is the one taken under the claim token ARGV[3] (claim key
+# prefix ARGV[4], lease-taken prefix ARGV[5]); spent, its claim goes too. Returns 1 when it took them out.
+LEASE_RETURN = SETTLE + """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if not v or string.sub(v, -#ARGV[3] - 1) ~= ':' .. ARGV[3] then return 0 end
+if not shrink(KEYS[1], KEYS[2], KEYS[3], ARGV[1], v, tonumber(ARGV[2]), ARGV[4], ARGV[5] .. ARGV[1]) then return 0 end
 return 1
 """
 
@@ -297,192 +417,6 @@ redis.call('HINCRBY', KEYS[2], 'cost_micro_usd', ARGV[2])
 return 1
 """
 
-RELEASE = SETTLE + "return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])"
-
-# Drop a reservation only if the claim it was taken under is gone (checked here, atomically with
-# the drop): the key unclaimed, or claimed by another copy.
-DROP_DEAD = SETTLE + """
-local e, s, st, c, tok = parse(redis.call('HGET', KEYS[1], ARGV[1]))
-if st and redis.call('GET', ARGV[2] .. ARGV[1]) == tok then return 0 end
-return settle_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
-"""
-
-_ADMIT_BODY = """
-local seen = nil  -- the dataset's {responses, completion_tokens} as admission read them
-local claim_ttl_ms = nil  -- the key's claim TTL when the caller has just set it (CLAIM_ADMIT): no PTTL
-local lease_slots, leased = nil, 0  -- LEASE: the slots asked for, the slots granted
-local function admit()
-local res, due, agg = KEYS[2], KEYS[5], KEYS[6]
--- closed; counters not rebuilt from the store since Redis lost them (or was new): admit nothing on them
-local flags = redis.call('MGET', KEYS[3], KEYS[8])
-if flags[1] then return -1 end
-if not flags[2] then return -2 end
--- one read of the dataset's counters: the mean and spread, and what the budget has spent
--- (BUDGET_FIELDS: the counted records' tokens, the paid turns of conversations not stored)
-local f = redis.call('HMGET', KEYS[1], 'completion_tokens', 'responses', 'completion_tokens_sq', 'latency_ms',
-                     @BUDGET_FIELDS@)
-local counted, responses = tonumber(f[1] or '0'), tonumber(f[2] or '0')
-local sq, latency_ms = tonumber(f[3] or '0'), tonumber(f[4] or '0')
-seen = {responses, counted}
-local committed = 0
-for i = 5, #f do committed = committed + tonumber(f[i] or '0') end
-local budget, expect, cap_tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
-local token = ARGV[9]
--- the budget enqueue published last (assign.py, rk.BUDGETS) wins over the caller's, which may be a second old
-local live = redis.call('HGET', KEYS[7], ARGV[8])
-if live == 'none' then return 1 end  -- the budget was removed: nothing to reserve against
-if live then budget = tonumber(live) or budget end
-local per_stream = 0
-if latency_ms > 0 then per_stream = counted / latency_ms end  -- tokens per ms of one stream
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-
-local A, dirty = load(agg), false
-local function done(verdict)
-  if dirty then save(agg, A) end
-  return verdict
-end
--- each reservation moves on with its own cap (c), whatever the cap of the task asking now
-local function restate(k, e, s, c, tok, from, to)
-  if from == 'y' then A.ey = A.ey - e else A.no = A.no - 1 A.so = A.so - (s - A.t0) A.co = A.co - c end
-  if to == 'o' then A.no = A.no + 1 A.so = A.so + (s - A.t0) A.co = A.co + c else A.cc = A.cc + c end
-  redis.call('HSET', res, k, e .. ':' .. s .. ':' .. to .. ':' .. c .. ':' .. tok)
-  dirty = true
-end
--- next event of a reservation: its move to the next state, or when its claim would lapse
-local function schedule(k, e, s, st, c, claim_ttl)
-  local at = now + ((claim_ttl > 0) and claim_ttl or tonumber(ARGV[6]))
-  if per_stream > 0 then
-    if st == 'y' then at = math.min(at, s + math.ceil(e / (2 * per_stream)))
-    elseif st == 'o' then at = math.min(at, s + math.ceil(c / (2 * per_stream))) end
-  end
-  redis.call('ZADD', due, math.max(at, now + 1), k)
-end
-
--- only the due reservations: drop those whose claim lapsed or passed to another copy (their
--- worker died, or was cut off for longer than a claim TTL), move the rest on
-for _, k in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now, 'LIMIT', 0, tonumber(ARGV[7]))) do
-  local e, s, st, c, tok = parse(redis.call('HGET', res, k))
-  if not st then
-    redis.call('ZREM', due, k)  -- its reservation was settled: nothing left to look at
-  elseif redis.call('GET', ARGV[4] .. k) ~= tok then
-    if settle(res, due, A, k) == 1 then dirty = true end
-  else
-    -- a response still running long after admission is a long one (lengths are heavy-tailed: the
-    -- longer it has run, the longer it will run): reserve twice what it has likely made so far
-    if st == 'y' and per_stream > 0 and 2 * per_stream * (now - s) >= e then restate(k, e, s, c, tok, 'y', 'o') st = 'o' end
-    if st == 'o' and per_stream > 0 and 2 * per_stream * (now - s) >= c then
-      restate(k, e, s, c, tok, 'o', 'c') st = 'c'
-    end
-    schedule(k, e, s, st, c, redis.call('PTTL', ARGV[4] .. k))
-  end
-end
-
-local live = A.n
-local reserved = 0
-if live > 0 then
-  local grown = 2 * per_stream * (A.no * (now - A.t0) - A.so)
-  reserved = A.ey + math.min(A.co, grown) + A.cc
-end
-local function take()
-  settle(res, due, A, ARGV[1])
-  if A.n <= 0 then A = {n = 0, ey = 0, no = 0, so = 0, co = 0, cc = 0, t0 = now} end
-  A.n = A.n + 1
-  A.ey = A.ey + expect
-  dirty = true
-  redis.call('HSET', res, ARGV[1], expect .. ':' .. now .. ':y:' .. cap_tokens .. ':' .. token)
-  schedule(ARGV[1], expect, now, 'y', cap_tokens, claim_ttl_ms or redis.call('PTTL', ARGV[4] .. ARGV[1]))
-end
-if lease_slots then
-  -- a lease: as many slots (each its task's cap) as fit in half the room that admission alone would
-  -- still give away freely, never in a closing round (those admit task by task)
-  if redis.call('EXISTS', KEYS[4]) == 1 then return done(-4) end
-  local var = cap_tokens * cap_tokens
-  if responses >= 5 then var = math.max(0, sq / responses - (counted / responses) ^ 2) end
-  local free = budget - committed - reserved - 3 * math.sqrt(var) * math.sqrt(live + 1)
-  local n = math.min(lease_slots, math.floor(free / (2 * cap_tokens)))
-  if n < 2 then return done(-4) end
-  if A.n <= 0 then A = {n = 0, ey = 0, no = 0, so = 0, co = 0, cc = 0, t0 = now} end
-  A.n = A.n + 1
-  A.cc = A.cc + n * cap_tokens
-  dirty = true
-  redis.call('HSET', res, ARGV[1], '0:' .. now .. ':c:' .. n * cap_tokens .. ':' .. token)
-  schedule(ARGV[1], 0, now, 'c', n * cap_tokens, claim_ttl_ms)
-  leased = n
-  return done(1)
-end
-if redis.call('EXISTS', KEYS[4]) == 0 then
-  local var = expect * expect
-  if responses >= 5 then var = math.max(0, sq / responses - (counted / responses) ^ 2) end
-  local margin = 3 * math.sqrt(var) * math.sqrt(live + 1)
-  if committed + reserved + expect / 2 + margin <= budget then take() return done(1) end
-  redis.call('HSET', KEYS[4], 'cap', 0, 'admitted', 0)  -- closing rounds start
-end
-local cap = tonumber(redis.call('HGET', KEYS[4], 'cap'))
-local admitted = tonumber(redis.call('HGET', KEYS[4], 'admitted'))
-if live > 0 then
-  -- within the round's cap, and within the budget as published now (it may have been lowered
-  -- since the round began: its cap was half the room left under the budget of then)
-  if admitted + expect <= cap and committed + reserved + expect <= budget then
-    take()
-    redis.call('HINCRBY', KEYS[4], 'admitted', expect)
-    return done(1)
-  end
-  return done(2)
-end
-local room = budget - committed
-if room < expect then
-  redis.call('SET', KEYS[3], budget)
-  redis.call('DEL', KEYS[4])
-  return done(0)
-end
-redis.call('HSET', KEYS[4], 'cap', math.floor(math.max(room / 2, expect)), 'admitted', expect)
-take()
-return done(1)
-end
-""".replace("@BUDGET_FIELDS@", ", ".join(f"'{f}'" for f in BUDGET_FIELDS))
-
-ADMIT = SETTLE + _ADMIT_BODY + "return admit()"
-
-# The claim and the admission in one step (one round trip where there were two): the key's claim
-# under ARGV[9] (SET NX EX ARGV[10]), then admission as ADMIT; -3 when another task holds the claim
-# (nothing reserved). Also returns the dataset's responses and completion tokens as admission read
-# them, the running mean the worker reserves from next time (no read of its own).
-CLAIM_ADMIT = SETTLE + _ADMIT_BODY + """
-if not redis.call('SET', ARGV[4] .. ARGV[1], ARGV[9], 'NX', 'EX', ARGV[10]) then return {-3} end
-claim_ttl_ms = tonumber(ARGV[10]) * 1000
-local verdict = admit()
-if seen then return {verdict, seen[1], seen[2]} end
-return {verdict}
-"""
-
-# A worker's lease of a dataset's budget (workers/leases.py): the claim of the lease's name ARGV[1]
-# under ARGV[9] (SET NX EX ARGV[10]), then up to ARGV[11] slots of ARGV[5] tokens each (its tasks'
-# max_tokens) reserved as one capped reservation under that name, in one step with admission's
-# due pass. Returns {verdict, slots granted, responses, completion tokens}: -4 when fewer than two
-# slots fit or in a closing round, CLOSED and LOST as admission answers them, ADMITTED with no
-# slots when the budget was removed; whenever nothing is granted, the claim is let go in the step.
-LEASE = SETTLE + _ADMIT_BODY + """
-if not redis.call('SET', ARGV[4] .. ARGV[1], ARGV[9], 'NX', 'EX', ARGV[10]) then return {-3, 0} end
-claim_ttl_ms = tonumber(ARGV[10]) * 1000
-lease_slots = tonumber(ARGV[11])
-local verdict = admit()
-if leased == 0 then redis.call('DEL', ARGV[4] .. ARGV[1]) end
-if seen then return {verdict, leased, seen[1], seen[2]} end
-return {verdict, leased}
-"""
-
-# Slots of a lease its worker will not use (it expired, the worker stops): ARGV[2] tokens out of
-# the lease ARGV[1], only while it is the one taken under the claim token ARGV[3] (claim key
-# prefix ARGV[4]); spent, its claim goes too. Returns 1 when it took them out.
-LEASE_RETURN = SETTLE + """
-local v = redis.call('HGET', KEYS[1], ARGV[1])
-if not v or string.sub(v, -#ARGV[3] - 1) ~= ':' .. ARGV[3] then return 0 end
-local A = load(KEYS[3])
-if not shrink(KEYS[1], KEYS[2], A, ARGV[1], v, tonumber(ARGV[2]), ARGV[4]) then return 0 end
-save(KEYS[3], A)
-return 1
-"""
 
 # Empty a closed dataset's queue, unless an enqueue reopened it meanwhile (its new tasks stay),
 # but for the conversations with paid turns (in paid_keys): each comes once more, to be stopped

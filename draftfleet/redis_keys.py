@@ -68,17 +68,18 @@ def dataset_totals(dataset: str) -> str:
 
 
 def reservations(dataset: str) -> str:
-    """Hash key -> ``expected:admitted_ms:state`` of every admitted task still in flight."""
+    """Hash key -> ``tokens:claim token`` of every admitted task (and lease) still in flight: the
+    most it can make (ledger.py)."""
     return f"{PREFIX}reserved:{dataset}"
 
 
 def reservations_due(dataset: str) -> str:
-    """Sorted set of the reservations by the time of their next event (state change, claim check)."""
+    """Sorted set of the reservations by when their claim is looked at next (dropped once it is gone)."""
     return f"{PREFIX}reserved_due:{dataset}"
 
 
 def reserved_sum(dataset: str) -> str:
-    """Hash of the reservations' aggregates, kept as they change, so admission never scans them."""
+    """Hash (field ``r``) of the tokens reserved in flight, kept as they change, so admission never scans them."""
     return f"{PREFIX}reserved_sum:{dataset}"
 
 
@@ -87,9 +88,10 @@ def closed(dataset: str) -> str:
     return f"{PREFIX}closed:{dataset}"
 
 
-def closing(dataset: str) -> str:
-    """Hash of a dataset's closing round (cap, admitted) once its budget is nearly reached."""
-    return f"{PREFIX}closing:{dataset}"
+def lease_taken_prefix(dataset: str) -> str:
+    """The prefix of a lease's set of keys whose slots its counts took out (ledger_scripts.COUNT_BATCH):
+    a count run twice takes nothing twice."""
+    return f"{PREFIX}lease_taken:{dataset}:"
 
 
 def rate(dataset: str, backend: str, bucket: int) -> str:
@@ -107,8 +109,9 @@ def assignment(dataset: str) -> str:
 
 # Hash dataset -> its manifest (JSON), published by ``enqueue``: the live settings (assign.py).
 DATASETS = f"{PREFIX}datasets"
-# Hash dataset -> its budget as published with its manifest (tokens, or ``none``): what admission
-# reads on every task, a number rather than the whole manifest to decode (ledger_scripts.ADMIT).
+# Hash dataset -> its budget as published with its manifest (``<tokens>``, ``<tokens> whole`` for the
+# whole-answers rule, or ``none``): what admission reads on every task, and what a lease is checked
+# against before each task it admits (a change retires it), rather than the whole manifest.
 BUDGETS = f"{PREFIX}budgets"
 
 

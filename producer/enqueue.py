@@ -69,8 +69,8 @@ def check_manifest(store: Store, cfg: FleetConfig, ds: DatasetConfig, new_versio
     sid = settings_id(settings)
     current = store.manifest(ds.name)
     if current is not None and current.settings_id == sid:
-        if current.budget_tokens != ds.budget_tokens:
-            current = msgspec.structs.replace(current, budget_tokens=ds.budget_tokens)
+        if current.budget_tokens != ds.budget_tokens or current.budget_rule != ds.budget_rule:
+            current = msgspec.structs.replace(current, budget_tokens=ds.budget_tokens, budget_rule=ds.budget_rule)
             store.write_manifest(current)
         return current
     if current is not None and not new_version:
@@ -86,6 +86,7 @@ def check_manifest(store: Store, cfg: FleetConfig, ds: DatasetConfig, new_versio
         settings=settings,
         settings_id=sid,
         budget_tokens=ds.budget_tokens,
+        budget_rule=ds.budget_rule,
         created_at=time.time(),
         previous=[*current.previous, current.settings] if current else [],
     )
@@ -132,15 +133,15 @@ def enqueue_dataset(
     if closed_at is not None and _raised(ds.budget_tokens, closed_at):
         ledger.reopen(ds.name)  # the budget was raised (or removed): the dataset takes work again
         closed_at = None
-    elif closed_at is None and before is not None and _raised(ds.budget_tokens, before.budget_tokens):
-        ledger.reopen(ds.name)  # raised while closing rounds ran: admission starts afresh
     # Claims before the store: a key whose claim ends meanwhile was stored (seen below) or given back.
     await_lost_claims(r)
     # The counters as the store has them (rebuilt first when Redis lost them), so that a dataset the
     # store holds at its budget queues nothing, also when Redis forgot that it closed.
     ensure_counters(store, r, wait=True)
-    full = ds.budget_tokens is not None and ledger.budget_use(ds.name, ds.budget_tokens,
-                                                             manifest.settings.max_tokens).full
+    # full only from what is stored (and paid): what is reserved may come back short, and no guess
+    # of the next answer's length refuses a prompt
+    full = ds.budget_tokens is not None and ledger.budget_use(
+        ds.name, ds.budget_tokens, manifest.settings.max_tokens, rule=ds.budget_rule).full
     summary.closed = closed_at is not None or full
     held = claimed_keys(r, ds.name)
     done = store.keys(ds.name)

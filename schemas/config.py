@@ -78,6 +78,11 @@ class FieldMap(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     id: str | None = None
 
 
+# How a budget ends (draftfleet/ledger.py): "exact" never goes above it (the last answers are cut at
+# what is left); "whole" keeps every answer whole and may end over it by less than one answer.
+BudgetRule = Literal["exact", "whole"]
+
+
 class DatasetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     path: str
@@ -86,6 +91,7 @@ class DatasetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: Literal["jsonl", "json", "parquet"] | None = None
     fields: FieldMap = msgspec.field(default_factory=FieldMap)
     budget_tokens: int | None = None
+    budget_rule: BudgetRule = "exact"
     max_tokens: int = 4096
     temperature: float = 0.7
     top_p: float = 1.0

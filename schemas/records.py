@@ -234,6 +234,7 @@ class DatasetManifest(msgspec.Struct, frozen=True, kw_only=True):
     budget_tokens: int | None
     created_at: float
     previous: list[GenerationSettings] = []
+    budget_rule: Literal["exact", "whole"] = "exact"  # schemas.config.BudgetRule (draftfleet/ledger.py)
 
 
 class QuarantineEntry(msgspec.Struct, frozen=True, kw_only=True):

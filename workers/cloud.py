@@ -158,6 +158,14 @@ class CloudChat:
             raise Halt("chat_template", str(exc)) from None
         except TokenizerError as exc:
             raise Permanent("retokenize", str(exc)) from None
+        truncated = finish == "length"
+        if len(ids) > task.settings.max_tokens:
+            # The provider counts with its own tokenizer: in the target's, the answer may run past
+            # the max_tokens it was asked with (what the budget reserved for it). It is cut there, so
+            # no answer counts more than was reserved, and stored as cut; its text is the cut ids'.
+            ids = ids[:task.settings.max_tokens]
+            text, reasoning = self.tokenizer.split_reasoning(task.messages, ids)
+            stopped, truncated = False, True
         prompt_ids = self.tokenizer.prompt_ids(task.messages)
         ours_prompt = len(prompt_ids)
         cost, source = self._cost(usage, usage.prompt_tokens or ours_prompt, usage.completion_tokens or len(ids))
@@ -167,8 +175,8 @@ class CloudChat:
             output_ids=ids,
             prompt_ids=prompt_ids,
             prompt_tokens=ours_prompt,
-            finish_reason="stop" if stopped else ("length" if finish == "length" else str(finish)),
-            truncated=finish == "length",
+            finish_reason="stop" if stopped else ("length" if truncated else str(finish)),
+            truncated=truncated,
             token_source="retokenized",
             usage=usage,
             cost_usd=float(cost),

@@ -5,16 +5,22 @@ budgeted dataset alone cost it a script of a dozen commands: most of what a resu
 (``Ledger.lease``) reserves n slots in one step, each the most one task can make (its max_tokens);
 while one is free, a task of that dataset is admitted here with its key's claim alone (a SET NX).
 
-What it guarantees. A slot is used once: its result's count takes it out of the lease
-(``COUNT_BATCH``, workers/tally.py); a task that ends without a result frees it for the next. A lease
-admits for at most ``LEASE_S`` after it was taken, and none once the worker stops consuming the
-dataset (a drain, a pivot, a pause, a stop), the dataset's budget changed or Redis lost its state
-(the claims' ``rk.STATE`` marker moved), so each of those is obeyed within a poll. Its unused
-slots then go back (``Ledger.lease_return``), and its claim, refreshed by the worker's beat
-meanwhile, is let go once the last of its results is counted. A
-worker killed holding a lease: its claim lapses and admission's due pass drops the reservation. No
-lease is granted near the budget or in a closing round: tasks are then admitted one by one
-(``Ledger.claim_admit``), and this worker asks again after ``RETRY_S``.
+What it guarantees. A slot is used once: its result's count takes it out of the lease, once per
+key however often the count is sent (``COUNT_BATCH``, workers/tally.py); a task that ends without a
+result frees it for the next; one whose count may or may not have landed (Redis failed under it)
+frees nothing, and the lease's claim is deleted at its end (admission's due pass drops what is
+left). Each task a lease admits claims its key together with a read of the budget as published
+(``rk.BUDGETS``, one round trip): a budget lowered, raised or removed since the lease was granted
+retires it before it admits that task (the task is admitted alone), on every worker, so no task is
+ever admitted on slots of a budget no longer in force. A lease admits for at most ``LEASE_S``
+after it was taken, and none once the worker stops consuming the dataset (a drain, a pivot, a
+pause, a stop) or Redis lost its state (the claims' ``rk.STATE`` marker moved). Its unused slots
+then go back (``Ledger.lease_return``), also from the runtime's one-second watch when the budget
+changed, and its claim, refreshed by the worker's beat meanwhile, is let go once the last of its
+results is counted. A worker killed holding a lease: its claim lapses and admission's due pass
+drops the reservation. No lease is granted where fewer than two slots fit in half the room left:
+tasks are then admitted one by one (``Ledger.claim_admit``), and this worker asks again after
+``RETRY_S``.
 """
 
 from __future__ import annotations
@@ -41,13 +47,13 @@ RETRY_S = 2.0  # after a refusal, tasks are admitted one by one this long before
 class Lease:
     """One lease: its name and claim token in Redis, and its slots as this worker uses them."""
 
-    def __init__(self, dataset: str, cap: int, name: str, token: str, slots: int, budget: int,
+    def __init__(self, dataset: str, cap: int, name: str, token: str, slots: int, budget: str,
                  state: bytes | None):
         self.dataset = dataset
         self.cap = cap  # tokens a slot holds: its tasks' max_tokens
         self.name = name  # the reservation's field, and the claim's key suffix (rk.LEASE_PREFIX)
         self.token = token
-        self.budget = budget  # as it was when granted: a change ends the lease
+        self.budget = budget  # as published when granted (rk.BUDGETS): a change ends the lease
         self.state = state  # rk.STATE as the worker's claims last saw it when granted
         self.taken_at = time.monotonic()
         self.free = slots  # slots no task took yet (or freed by a task that stored nothing)
@@ -73,15 +79,17 @@ class Leases:
         self._retry_at: dict[tuple[str, int], float] = {}
 
     def admit(self, dataset: str, cap: int, budget: int) -> Lease | None:
-        """A slot for one task of ``dataset`` (at most ``cap`` tokens) under the budget ``budget``:
-        the lease it was taken from, or None (admit this task alone). Takes a new lease when the
-        current one is spent or stale; one thread asks Redis while the others wait for its lease."""
+        """A slot for one task of ``dataset`` (at most ``cap`` tokens) under the budget ``budget`` (the
+        worker's reading, if none is published): the lease it was taken from, or None (admit this
+        task alone). Takes a new lease when the current one is spent or stale; one thread asks Redis
+        while the others wait for its lease. The caller claims the task's key with
+        :meth:`still_good`'s check before it runs."""
         spent: Lease | None = None
         try:
             with self._lock:
                 at = (dataset, cap)
                 lease = self._current.get(at)
-                if lease is not None and self._usable(lease, budget):
+                if lease is not None and self._usable(lease):
                     return self._take(lease)
                 if lease is not None:
                     spent = self._retire(lease)
@@ -130,20 +138,48 @@ class Leases:
         if back is not None:
             self._give_back(back)
 
-    def retire(self, consumed: set[str]) -> None:
+    def still_good(self, lease: Lease, published: str) -> bool:
+        """Whether ``lease`` may admit the task that just claimed its key, the budget being
+        ``published`` (``rk.BUDGETS`` read in the claim's round trip): else it is retired here, its
+        unused slots given back, this task's slot with them (the caller admits the task alone)."""
+        if published == lease.budget:
+            return True
+        with self._lock:
+            lease.running -= 1
+            lease.free += 1
+            self._retire(lease)
+        self._give_back(lease)
+        return False
+
+    def lost(self, lease: Lease) -> None:
+        """A result of ``lease`` whose count may or may not have landed (Redis failed under it): its
+        slot is neither free nor given back (it may be out already); at the lease's end its claim is
+        deleted, and admission's due pass drops whatever its reservation still holds."""
+        with self._lock:
+            lease.running -= 1
+            lease.stuck = True
+            done = lease.retired and not lease.running and not lease.pending
+        if done:
+            self._end(lease)
+
+    def retire(self, consumed: set[str], budgets: dict[str, str] | None = None) -> None:
         """End the leases of datasets this worker does not consume now (drained, pivoted away, paused;
-        none on a clean stop), and those past ``LEASE_S`` or taken before Redis lost its state: their
-        unused slots go back at once, to the workers that take the dataset now. Called by the runtime
-        whenever it steers its consumer, at least every second, so an idle lease holds no budget."""
+        none on a clean stop), those whose budget as published (``budgets``: dataset -> rk.BUDGETS's
+        value, as the runtime read it) is not the one they were granted under, and those past
+        ``LEASE_S`` or taken before Redis lost its state: their unused slots go back at once, to the
+        workers that take the dataset now. Called by the runtime whenever it steers its consumer,
+        at least every second, so an idle lease holds no budget."""
+        budgets = budgets or {}
         with self._lock:
             ended = [self._retire(lease) for lease in list(self._current.values())
-                     if lease.dataset not in consumed or not self._usable(lease, lease.budget)]
+                     if lease.dataset not in consumed or not self._usable(lease)
+                     or budgets.get(lease.dataset, lease.budget) != lease.budget]
         for lease in ended:
             self._give_back(lease)
 
-    def _usable(self, lease: Lease, budget: int) -> bool:
-        """Under the lock: a slot free, the budget as granted, Redis's state as then, and young."""
-        return (lease.free > 0 and lease.budget == budget and lease.state == self.claims.state_seen
+    def _usable(self, lease: Lease) -> bool:
+        """Under the lock: a slot free, Redis's state as when granted, and young."""
+        return (lease.free > 0 and lease.state == self.claims.state_seen
                 and time.monotonic() - lease.taken_at < LEASE_S)
 
     def _take(self, lease: Lease) -> Lease:
@@ -158,10 +194,10 @@ class Leases:
         name = rk.LEASE_PREFIX + secrets.token_hex(8)
         token = self.claims.new_token()
         state = self.claims.state_seen
-        verdict, slots = self.ledger.lease(dataset, name, token, CLAIM_TTL_S, budget, self.slots, cap)
+        verdict, slots, published = self.ledger.lease(dataset, name, token, CLAIM_TTL_S, budget, self.slots, cap)
         if verdict != ADMITTED or not slots:
             return None
-        lease = Lease(dataset, cap, name, token, slots, budget, state)
+        lease = Lease(dataset, cap, name, token, slots, published, state)
         self.claims.hold(lease.claim, token)
         return lease
 

@@ -22,7 +22,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
 from draftfleet.claims import CLAIM_TTL_S, Claims
 from draftfleet.identity import task_problem
-from draftfleet.ledger import ADMITTED, CLAIMED, Ledger
+from draftfleet.ledger import ADMITTED, CLAIMED, Admission, Ledger, publish_value
 from draftfleet.reconcile import ensure_counters
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import ChargeRecord, GenerationSettings, PromptTask, ResponseRecord, WorkerReport
@@ -61,6 +61,7 @@ class Runtime:
         self._stop = threading.Event()
         self.follow_all = follow_all  # started without --dataset: follows every dataset enqueued
         self.budgets: dict[str, int | None] = {d.name: d.budget_tokens for d in cfg.datasets}
+        self.published_budgets: dict[str, str] = {}  # dataset -> its budget as rk.BUDGETS holds it (leases are checked by it)
         self.held: dict[str, float] = {}  # dataset -> when this worker takes its tasks again
         self.allowed: set[str] = set()
         self.refresh()
@@ -98,35 +99,52 @@ class Runtime:
         """Claim the task's key; returns the claim's token (one per task), None if a twin holds it."""
         return self.claims.acquire(rk.claim(task.dataset, task.key), task.dataset)
 
-    def claim_admit(self, task: PromptTask, budget: int) -> tuple[str | None, int | None, Lease | None]:
+    def claim_admit(self, task: PromptTask, budget: int) -> tuple[str | None, Admission | None, Lease | None]:
         """Claim a single answer's key and admit it under its budget: (the claim's token, None when a
-        twin holds it; the verdict; the lease it was admitted under). A slot of this worker's lease
-        (workers/leases.py) needs only the claim; without one, claim and admission go in one round
-        trip (``Ledger.claim_admit``)."""
-        verdict: int | None = None
+        twin holds it; the admission, None when the caller must still admit it; the lease it was
+        admitted under). A slot of this worker's lease (workers/leases.py) needs only the claim,
+        read in one round trip with the budget as published: a lease granted under another budget
+        admits nothing (the task is admitted alone). Without a lease, claim and admission go in
+        one round trip (``Ledger.claim_admit``)."""
+        admission: Admission | None = None
         max_tokens = task.settings.max_tokens
+        key = rk.claim(task.dataset, task.key)
         lease = self.leases.admit(task.dataset, max_tokens, budget)
         if lease is not None:
-            token = self.acquire(task)
+            published = ""
+
+            def claim_reading_budget(token: str) -> bool:
+                nonlocal published
+                pipe = self.r.pipeline(transaction=False)
+                pipe.set(key, token, nx=True, ex=CLAIM_TTL_S)
+                pipe.hget(rk.BUDGETS, task.dataset)
+                took, value = pipe.execute()
+                published = value.decode() if value else ""
+                return bool(took)
+
+            token = self.claims.acquire(key, task.dataset, claim_reading_budget)
             if token is None:
                 self.leases.done(lease)
                 return None, None, None
-            return token, ADMITTED, lease
+            if not self.leases.still_good(lease, published):
+                return token, None, None
+            return token, Admission(ADMITTED, max_tokens, published), lease
 
         def take(token: str) -> bool:
-            nonlocal verdict
-            verdict = self.ledger.claim_admit(task.dataset, task.key, token, CLAIM_TTL_S, budget,
-                                              self.ledger.worker_reservation(task.dataset, max_tokens), max_tokens)
-            return verdict != CLAIMED
+            nonlocal admission
+            admission = self.ledger.claim_admit(task.dataset, task.key, token, CLAIM_TTL_S, budget, max_tokens)
+            return admission.verdict != CLAIMED
 
-        return self.claims.acquire(rk.claim(task.dataset, task.key), task.dataset, take), verdict, None
+        return self.claims.acquire(key, task.dataset, take), admission, None
 
     def release(self, task: PromptTask, token: str) -> None:
         self.claims.release(rk.claim(task.dataset, task.key), task.dataset, token)
 
     def finish(self, record: ResponseRecord, token: str, lease: Lease | None) -> None:
         """The stored single answer is counted, its reservation settled (or its lease's slot taken
-        out) and its claim released in the tally's next batch (workers/tally.py)."""
+        out) and its claim released in the tally's next batch (workers/tally.py). A paid one is
+        counted now: when that fails, it may have landed all the same, so its lease's slot is
+        neither freed nor given back (``Leases.lost``)."""
         if lease is not None:
             self.leases.hand(lease)
         try:
@@ -134,6 +152,7 @@ class Runtime:
         except BaseException:
             if lease is not None:
                 self.leases.unhand(lease)
+                self.leases.lost(lease)
             raise
 
     def _beat(self) -> None:
@@ -182,6 +201,7 @@ class Runtime:
         for name in self.datasets:
             if name in live:
                 self.budgets[name] = live[name].budget_tokens
+                self.published_budgets[name] = publish_value(live[name].budget_tokens, live[name].budget_rule)
         self.allowed = assigned(self.r, self.datasets, self.kind)
 
     def _watch(self) -> None:
@@ -217,7 +237,7 @@ class Runtime:
             held = {d for d, until in self.held.items() if until > now}
             self.consuming = set() if self.paused else {rk.queue(d) for d in self.allowed - held}
             consumed = set() if self.paused else self.allowed - held
-        self.leases.retire(consumed)  # what it no longer takes, it reserves no budget for
+        self.leases.retire(consumed, self.published_budgets)  # what it no longer takes, it reserves no budget for
         consumer = self._consumer
         if consumer is not None:
             consumer.call_soon(self._apply)

@@ -27,7 +27,7 @@ from kombu.exceptions import OperationalError
 
 from draftfleet import redis_keys as rk
 from draftfleet.conversation import answers, conversation_record, history, runs, single_record
-from draftfleet.ledger import ADMITTED, LOST, REFUSED, WAIT
+from draftfleet.ledger import ADMITTED, LOST, REFUSED, WAIT, Admission
 from draftfleet.schemas.records import FailureRecord, PromptTask, ResponseRecord, Turn, TurnProgress
 from draftfleet.store import StoreError, check_key, check_name
 from draftfleet.workers.backends import BackendError, Generation, Halt, Permanent, Transient, backoff_s
@@ -179,33 +179,30 @@ def _store(rt: Runtime, record: ResponseRecord) -> bool:
     return False
 
 
-def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1, turns: int = 1,
-           verdict: int | None = None) -> bool:
-    """Reserve the dataset's expected tokens; False once its budget is reached (task skipped).
+def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1,
+           admission: Admission | None = None) -> int | None:
+    """Reserve the most the task can make (its max_tokens x the ``turns_left`` of a conversation):
+    the tokens it may make now (less than that near the end: what is left of the budget, which
+    becomes its max_tokens), or None once the budget is reached (task skipped).
 
-    A conversation reserves for the ``turns_left`` of its ``turns`` still to come: the dataset's
-    mean per record (a whole conversation) scaled to them, and up to ``max_tokens`` each.
-
-    Near the budget, admission waits until what is in flight settles. A task told to wait does
+    Where what is in flight may still come back short, admission waits. A task told to wait does
     not keep its slot meanwhile: it goes back to its queue (unstarted), and this worker leaves the
     dataset's queue alone for a moment, so its other datasets go on.
     """
+    want = task.settings.max_tokens * turns_left
     budget = rt.budgets.get(task.dataset)
-    if budget is None:
-        return True
-    if verdict is None:  # not taken with the claim (Runtime.claim_admit): admit now
-        expected = rt.ledger.reservation(task.dataset, task.settings.max_tokens, turns, turns_left)
-        verdict = rt.ledger.admit(task.dataset, task.key, token, budget, expected,
-                                  task.settings.max_tokens * turns_left)
-    if verdict == LOST and rt.counters_known():  # rebuilt from the store just now: admission runs on them
-        expected = rt.ledger.reservation(task.dataset, task.settings.max_tokens, turns, turns_left)
-        verdict = rt.ledger.admit(task.dataset, task.key, token, budget, expected,
-                                  task.settings.max_tokens * turns_left)
+    if budget is None and admission is None:
+        return want
+    if admission is None:  # not taken with the claim (Runtime.claim_admit): admit now
+        admission = rt.ledger.admit(task.dataset, task.key, token, budget, want)
+    if admission.verdict == LOST and rt.counters_known():  # rebuilt from the store just now: admission runs on them
+        admission = rt.ledger.admit(task.dataset, task.key, token, budget, want)
+    verdict = admission.verdict
     if verdict == LOST:  # another process rebuilds the counters: nothing is admitted on lost ones
         rt.hold(task.dataset)
         raise Reject(f"{task.dataset}: admission waits for the counters to be rebuilt from the store", requeue=True)
     if verdict == ADMITTED:
-        return True
+        return min(want, admission.granted or want)
     if verdict == WAIT:
         rt.hold(task.dataset)
         raise Reject(f"{task.dataset}: admission waits for what is in flight", requeue=True)
@@ -217,7 +214,15 @@ def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1, turns
                     rt.ledger.closed_at(task.dataset), purged)
         rt.ledger.event(task.dataset, "skipped:budget", purged)
     rt.ledger.event(task.dataset, "skipped:budget")
-    return False
+    return None
+
+
+def _asked(task: PromptTask, max_tokens: int) -> PromptTask:
+    """The task as sent to the backend with ``max_tokens`` (what admission granted, when less than
+    its dataset's): the answer stops there. Its key and record keep the dataset's settings."""
+    if max_tokens >= task.settings.max_tokens:
+        return task
+    return msgspec.structs.replace(task, settings=msgspec.structs.replace(task.settings, max_tokens=max(1, max_tokens)))
 
 
 def _progress(rt: Runtime, task: PromptTask) -> list[Turn]:
@@ -240,9 +245,12 @@ def _turn(rt: Runtime, gen: Generation, attempts: int, latency: float, reasons: 
     )
 
 
-def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: float) -> ResponseRecord | None:
+def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: float,
+                  granted: int) -> ResponseRecord | None:
     """Answer a conversation's user turns in order, each asked with the history of the fleet's own
-    answers (``draftfleet.conversation``); None if a turn failed.
+    answers (``draftfleet.conversation``); None if a turn failed. ``granted``: the tokens admission
+    reserved for the turns left; each turn is asked with at most what is left of it, so the
+    conversation never makes more (near the budget's end a turn is cut there, and ends it).
 
     Each completed turn is kept in the store before the next is asked, so a worker's death, a
     pause or a retry resumes at the next turn and never pays for a completed one twice; its cost
@@ -271,17 +279,21 @@ def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: f
                      task.dataset, task.source, len(done) + 1, len(parts), len(done))
             raise Reject("conversation handed back before the visibility timeout", requeue=True)
         reasons: list[str] = []
-        gen, attempts, latency = _generate(rt, task, reasons, msgspec.structs.replace(
-            task, messages=history(task.messages, done)))
+        gen, attempts, latency = _generate(rt, task, reasons, _asked(msgspec.structs.replace(
+            task, messages=history(task.messages, done)), granted))
         asked += 1
         if gen is None:
             return None
+        granted -= len(gen.output_ids)
         try:
             rt.ledger.prepay(task.dataset, task.key, len(done), rt.backend.name, gen.cost_usd, len(gen.output_ids))
         except redis.RedisError as exc:  # left unmarked, the turn counts when its record is (or the reconciler marks it)
             log.warning("%s %s: turn %d not counted as paid yet: %s", task.dataset, task.source, len(done) + 1, exc)
-        done.append(_turn(rt, gen, attempts, latency, reasons))
-        if len(done) < len(parts) and not gen.truncated:
+        turn = _turn(rt, gen, attempts, latency, reasons)
+        if granted <= 0 and len(done) + 1 < len(parts):  # the budget's grant is spent: the conversation ends cut here
+            turn = msgspec.structs.replace(turn, truncated=True)
+        done.append(turn)
+        if len(done) < len(parts) and not turn.truncated:
             rt.store.put_progress(TurnProgress(key=task.key, dataset=task.dataset, turns=done))
     return conversation_record(task, done, rt.hostname)
 
@@ -305,21 +317,23 @@ def execute(task_self, payload: object) -> str:
     # A single answer with a budget is claimed and admitted in one round trip; a conversation
     # reserves for the turns it has left, known from its kept progress, read under its claim.
     budget = rt.budgets.get(task.dataset)
-    verdict, lease = None, None
+    admission, lease = None, None
     if budget is not None and task.settings.turns != "all":
-        token, verdict, lease = rt.claim_admit(task, budget)
+        token, admission, lease = rt.claim_admit(task, budget)
     else:
         token = rt.acquire(task)
     if token is None:
         return _defer(task_self, task)
     handed = False  # to the tally, which releases the claim and the reservation with the count
+    uncertain = False  # counting failed under it: its lease's slot may be out already (Leases.lost)
     try:
         # The one look at the store, under the claim: stored already (a redelivery, or a twin
         # that finished before our claim), or unreadable (set aside, generated again).
         if rt.store.has(task.dataset, task.key) and (done := _count_existing(rt, task, set_aside=True)):
             return done
         turns, done = answers(task), _progress(rt, task)
-        if not _admit(rt, task, token, turns - len(done), turns, verdict):
+        granted = _admit(rt, task, token, turns - len(done), admission)
+        if granted is None:
             if not done:
                 return "skipped"
             # The budget stops a conversation some turns of which are paid. It has no result yet: its
@@ -331,12 +345,12 @@ def execute(task_self, payload: object) -> str:
                         "on when the budget is raised", task.dataset, task.source, len(done), turns)
             return "stopped"
         if task.settings.turns == "all":
-            record = _conversation(rt, task, done, held_since)
+            record = _conversation(rt, task, done, held_since, granted)
             if record is None:
                 return "failed"
         else:
             reasons: list[str] = []
-            gen, attempts, latency = _generate(rt, task, reasons)
+            gen, attempts, latency = _generate(rt, task, reasons, _asked(task, granted))
             if gen is None:
                 return "failed"
             record = single_record(task, _turn(rt, gen, attempts, latency, reasons))
@@ -354,7 +368,11 @@ def execute(task_self, payload: object) -> str:
             if record.truncated:
                 rt.ledger.event(task.dataset, "truncated")
         else:  # counted with the worker's next batch, its event too (workers/tally.py)
-            rt.finish(record, token, lease)
+            try:
+                rt.finish(record, token, lease)
+            except BaseException:
+                uncertain = True
+                raise
             handed = True
         log.info("stored %s %s: %d tokens from %s in %.2fs (%s, attempt %d%s)", task.dataset, task.source,
                  record.completion_tokens, record.backend, record.latency_s, record.finish_reason, record.attempts,
@@ -365,7 +383,7 @@ def execute(task_self, payload: object) -> str:
             try:
                 if lease is None:
                     rt.ledger.release(task.dataset, task.key, token)
-                else:  # its slot is free for the next task (workers/leases.py)
+                elif not uncertain:  # its slot is free for the next task (workers/leases.py)
                     rt.leases.done(lease)
             finally:  # also when Redis is away: a claim left in our set would be refreshed forever
                 rt.release(task, token)

@@ -310,10 +310,11 @@ def inventory_dataset(
     prompt_tokens = sum(s.prompt_tokens for s in by_source)
     mean = tokens / responses if responses else None
     # the budget's, as admission counts it: every version's records, and the paid turns not stored yet
-    if max_tokens is None and (m := store.manifest(dataset)) is not None:
+    m = store.manifest(dataset)
+    if max_tokens is None and m is not None:
         max_tokens = m.settings.max_tokens
     use = budget_from_store(budget, tokens + sum(part.other_tokens for part in parts), store.paid_tokens(dataset),
-                            responses + sum(part.other_versions for part in parts), max_tokens, answers)
+                            max_tokens, answers, m.budget_rule if m is not None else "exact")
     remaining = use.left_tokens if use else None
     prompts_left = None
     if prompt_keys is not None:

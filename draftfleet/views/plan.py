@@ -37,7 +37,8 @@ from rich.text import Text
 
 from draftfleet.assign import kinds_for
 from draftfleet.claims import worker_reports
-from draftfleet.ledger import BudgetUse, Ledger, budget_use, reservation
+from draftfleet.ledger import BudgetUse, Ledger, budget_use
+from draftfleet.schemas.config import BudgetRule
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import WorkerReport
 
@@ -264,14 +265,14 @@ def plan_from_redis(cfg: FleetConfig, r: redis.Redis, dataset: str, *, budget: B
                         closed=ledger.closed_at(dataset) is not None if closed is None else closed)
 
 
-def budget_from_store(budget: int | None, stored: int, paid: int, responses: int, max_tokens: int | None,
-                      turns: int = 1) -> BudgetUse | None:
+def budget_from_store(budget: int | None, stored: int, paid: int, max_tokens: int | None, turns: int = 1,
+                      rule: BudgetRule = "exact") -> BudgetUse | None:
     """A budget's use from a store's figures (``stored``: every version's record tokens, ``paid``:
     ``Store.paid_tokens``; ``turns``: the next task's answers, ``queues.next_answers``), as the
     ledger counts it; None without a budget."""
     if budget is None:
         return None
-    return budget_use(budget, stored, paid, reservation(responses, stored, max_tokens or 1, turns))
+    return budget_use(budget, stored, paid, (max_tokens or 1) * turns, rule)
 
 
 def plan_from_store(cfg: FleetConfig | None, f: StoreFigures, r: redis.Redis | None) -> DatasetPlan:
@@ -327,6 +328,13 @@ def usd(x: float) -> str:
     return f"{x:,.2f}" if abs(x) >= 1 or x == 0 else f"{x:.4f}"
 
 
+def rule_words(b: BudgetUse) -> str:
+    """The rule a budget follows, in words (``budget_rule``, draftfleet/ledger.py)."""
+    if b.rule == "whole":
+        return "whole answers: may end over the budget by less than one answer"
+    return "exact: never above the budget; the last answers are cut at what is left"
+
+
 def spent(b: BudgetUse) -> str:
     """``920 of a 1,000 budget spent (900 in paid turns not stored yet), 80 left``."""
     paid = f" ({tokens(b.paid_tokens)} in paid turns not stored yet)" if b.paid_tokens else ""
@@ -339,13 +347,13 @@ def headline(p: DatasetPlan) -> str:
     if p.state == "closed":
         return f"{p.dataset}: closed at its budget ({spent(b) if b else tokens(p.completion_tokens) + ' tokens'})"
     if p.state == "full":
-        return (f"{p.dataset}: full: {spent(b)}, less than the {tokens(b.expected_tokens)} a prompt reserves; "
-                "admission refuses more (raise budget_tokens and enqueue to go on)")
+        return (f"{p.dataset}: full: {spent(b)}, less than the {tokens(b.floor_tokens)} a prompt is granted at "
+                f"least ({rule_words(b)}); admission refuses more (raise budget_tokens and enqueue to go on)")
     if p.state == "done":
         return f"{p.dataset}: done, no prompt left ({tokens(p.completion_tokens)} tokens)"
     left = f"{tokens(p.remaining_tokens)} tokens left" if p.remaining_tokens is not None else "tokens left: not known"
     if b is not None:
-        left += f" of a {tokens(b.budget_tokens)} budget"
+        left += f" of a {tokens(b.budget_tokens)} budget ({'whole answers' if b.rule == 'whole' else 'exact'})"
         if b.paid_tokens:
             left += f" ({tokens(b.paid_tokens)} of it spent in paid turns not stored yet)"
     if p.prompts_left is not None:

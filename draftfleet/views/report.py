@@ -420,8 +420,9 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
     selection = selection or select(store, dataset)
     c = read_columns(store, dataset, selection=selection)
     total = sum(c.tokens)
+    manifest = store.manifest(dataset) if budget is not None else None
     use = budget_from_store(budget, total + c.other_tokens, store.paid_tokens(dataset) if budget is not None else 0,
-                            len(c.tokens) + c.other_responses, max_tokens, answers)
+                            max_tokens, answers, manifest.budget_rule if manifest is not None else "exact")
     p = plan(store_figures(c, dataset, use, prompt_keys)) if plan is not None else None
     events = store.events(dataset)
     t0 = min([*c.at, *(e.at for e in events)], default=time.time())

@@ -145,7 +145,7 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
         responses = sum(b.responses for b in backends)
         tps_10m = sum(b.tps_10m for b in backends)
         use = None if budget is None else ledger.budget_use(dataset, budget, _max_tokens(cfg, settings, dataset),
-                                                            next_answers(r, dataset))
+                                                            next_answers(r, dataset), _rule(cfg, settings, dataset))
         queued, holds = depth(r, dataset), holding.get(dataset, 0)
         closed = ledger.closed_at(dataset) is not None
         events = ledger.events(dataset)
@@ -174,6 +174,13 @@ def _max_tokens(cfg: FleetConfig, live: dict, dataset: str) -> int:
     if dataset in live:
         return live[dataset].settings.max_tokens
     return next((d.max_tokens for d in cfg.datasets if d.name == dataset), 1)
+
+
+def _rule(cfg: FleetConfig, live: dict, dataset: str) -> str:
+    """The rule the dataset's budget follows (its published manifest's, else the config's)."""
+    if dataset in live:
+        return live[dataset].budget_rule
+    return next((d.budget_rule for d in cfg.datasets if d.name == dataset), "exact")
 
 
 def capture_rows(r: redis.Redis, datasets: list[str], budget_left: dict[str, int | None]) -> list[CaptureRow]:
@@ -254,6 +261,8 @@ def render(snap: Snapshot) -> Group:
                                               ("tokens", True), ("budget", True), ("tok/s", True), ("ETA", True)])
     for d in snap.datasets:
         budget = f"{100 * (d.share_done or 0):.0f}% of {_n(d.budget_tokens)}" if d.budget_tokens else "-"
+        if d.budget is not None and d.budget.rule == "whole":
+            budget += " (whole)"
         dt.add_row(f"{d.dataset} ({','.join(d.assigned) or 'none'})", _n(d.queue_depth), _n(d.inflight),
                    _n(d.responses), _n(d.completion_tokens), budget, _n(d.tps_10m), _eta(d))
     bt = _table("by backend (tok/s over 1 and 10 min, or the run's age if shorter)",
