@@ -196,7 +196,7 @@ def scripts(redis: PrivateRedis, n: int = 2000) -> list[tuple[str, float]]:
     steps = [
         ("PING (one round trip, nothing done)", lambda k: r.ping()),
         ("claim and admission (CLAIM_ADMIT)",
-         lambda k: ledger.claim_admit(DATASET, k, tokens[k], 120, 10**12, 50, 64)),
+         lambda k: ledger.claim_admit(DATASET, k, tokens[k], 120, 10**12, 64)),
         ("a result counted alone (COUNT_BATCH of 1)", lambda k: ledger.count_batch([(records[k], tokens[k])])),
         ("a lease of 64 slots (LEASE), once per 64 tasks",
          lambda k: ledger.lease(DATASET, rk.LEASE_PREFIX + k[:16], tokens[k], 120, 10**12, 64, 64)),

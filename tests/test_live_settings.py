@@ -120,8 +120,8 @@ def test_a_dataset_added_while_the_fleet_runs_is_followed(tmp_path, redis_server
 
 
 def test_waiting_for_admission_holds_no_slot(tmp_path, redis_server, tokenizer_dir, emulator_factory, workers):
-    """Dataset a is in a closing round with work in flight elsewhere: its tasks must wait, and
-    while they do, the worker's slots serve dataset b."""
+    """Dataset a's budget is all reserved by work in flight elsewhere: its tasks must wait (what
+    is in flight may come back short), and while they do, the worker's slots serve dataset b."""
     emu = emulator_factory(single_stream_tps=3000, ceiling_tps=100000, length="uniform:5:30", ttft_s=0.0)
     a = {"name": "a", "path": str(write_jsonl(tmp_path / "a.jsonl", _chat_rows(6, tag="a"))), "max_tokens": 64,
          "budget_tokens": 1000}
@@ -131,12 +131,12 @@ def test_waiting_for_admission_holds_no_slot(tmp_path, redis_server, tokenizer_d
     r = redis_server.client()
     ledger = Ledger(r)
     _enqueue(path, redis_server.url)
-    # another worker holds admitted work of a until the closing round starts: a's tasks must wait
+    # another worker holds admitted work of a until all of a's budget is reserved: a's tasks must wait
     outside = []
     while True:
         key = f"{len(outside):064x}"
         r.set(rk.claim("a", key), "elsewhere@host:1:x")
-        if ledger.admit("a", key, "elsewhere@host:1:x", 1000, 32, 64) == WAIT:
+        if ledger.admit("a", key, "elsewhere@host:1:x", 1000, 64).verdict == WAIT:
             r.delete(rk.claim("a", key))
             break
         outside.append(key)

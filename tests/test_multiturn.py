@@ -294,12 +294,14 @@ def test_admission_reserves_for_the_turns_still_to_come(conversation_worker, red
     token = rt.acquire(task)
     assert token is not None
     reserved = []
+    granted = []
     for left in (3, 1):
-        assert tasks._admit(rt, task, token, left, 3)
+        granted.append(tasks._admit(rt, task, token, left))
         reserved.append(int(r.hget(rk.reservations("ds"), task.key).decode().split(":")[0]))
         rt.ledger.release("ds", task.key, token)
-    # before any response: half of max_tokens per turn, for each turn still to come
-    assert reserved == [3 * 64 // 2, 64 // 2]
+    # the most each turn still to come can make: max_tokens per turn, no estimate
+    assert reserved == granted == [3 * 64, 64]
+    assert r.hget(rk.reservations("ds"), task.key) is None
 
 
 def test_a_failed_turn_keeps_the_completed_ones_and_a_retry_resumes(conversation_worker, monkeypatch):
