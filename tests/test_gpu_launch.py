@@ -149,6 +149,34 @@ FAKE_VLLM = textwrap.dedent(
     with open(os.path.join(marks, f"gpu{os.environ['CUDA_VISIBLE_DEVICES']}.json"), "w") as f:
         json.dump({"cuda": os.environ["CUDA_VISIBLE_DEVICES"], "port": args.port, "argv": sys.argv[1:]}, f)
     EOT = int(os.environ["FAKE_EOT"])
+    DIES = os.environ.get("FAKE_VLLM_DIES")  # a mark: the first server to be asked dies as vLLM's CPU engine did
+    dead, LOCK = [], __import__("threading").Lock()
+
+    def dies(handler):
+        # where no server died yet: say in the log what vLLM does when its worker proc hits SIGILL,
+        # answer EngineDeadError (HTTP 500) to this request and any other, then die of SIGILL
+        import resource, signal, threading
+        with LOCK:
+            if not dead and (not DIES or os.path.exists(DIES)):
+                return False
+            first = not dead
+            dead.append(1)
+        if first:
+            open(DIES, "x").close()
+            print("(EngineCore pid=%d) ERROR [multiproc_executor.py:154] Worker proc VllmWorker-0 died unexpectedly "
+                  "(exit code: -4), shutting down executor." % os.getpid(), flush=True)
+            print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.", flush=True)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGILL)).start()
+        raw = json.dumps({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the "
+                                               "root cause.", "type": "InternalServerError", "param": None,
+                                    "code": 500}}).encode()
+        handler.send_response(500)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(raw)))
+        handler.end_headers()
+        handler.wfile.write(raw)
+        return True
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, payload):
@@ -164,6 +192,8 @@ FAKE_VLLM = textwrap.dedent(
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if dies(self):
+                return
             ids = body["prompt"][-6:] + [EOT]  # a reply that says which prompt it answers
             with open(os.path.join(marks, f"requests-{args.port}.jsonl"), "a") as f:
                 f.write(json.dumps(body) + "\\n")
@@ -220,3 +250,54 @@ def test_engine_vllm_one_worker_and_vllm_serve_per_gpu(tmp_path, redis_server, t
     sent = [json.loads(line) for port in (base, base + 1) for line in (marks / f"requests-{port}.jsonl").open()]
     assert len(sent) == 30 and all(b["return_token_ids"] and b["stop_token_ids"] == [target_tokenizer.eot_id]
                                    for b in sent)
+
+
+def test_a_launched_vllm_that_dies_is_said_in_one_line_and_its_worker_pauses_until_it_is_back(
+        tmp_path, redis_server, tokenizer_dir, target_tokenizer):
+    """Issue 42: vLLM's CPU engine hit SIGILL on its first request; its API server answered
+    EngineDeadError (HTTP 500) and died. The generation worker says so once, in one line, with the
+    exit and the signal named and the engine log's last lines, pauses as for a server gone (nothing
+    failed), and once the supervisor's new server answers, every prompt is done."""
+    fake_engines(tmp_path, FAKE_VLLM)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    base = _free_pair()
+    config = _config(tmp_path, tokenizer_dir, 12, f"""
+        [backends.vllm]
+        inflight = 4
+        request_timeout_s = 30.0
+
+        [backends.vllm.launch]
+        model_path = "/models/tiny"
+        port_base = {base}
+        python = "{tmp_path / 'bin' / 'python'}"
+        startup_timeout_s = 60.0
+    """).read_text()
+    (tmp_path / "fleet.toml").write_text(config.replace("[fleet]\n", "[fleet]\nmax_attempts = 2\n", 1))
+    env = {"PYTHONPATH": str(REPO), "FAKE_SGLANG_DIR": str(marks), "FAKE_EOT": str(target_tokenizer.eot_id),
+           "FAKE_VLLM_DIES": str(marks / "died"), "REDIS_URL": redis_server.url, "PATH": "/usr/bin:/bin"}
+    out = tmp_path / "workers.log"
+    parent = subprocess.Popen([sys.executable, "-m", "draftfleet", "worker", "gpu", "--config",
+                               str(tmp_path / "fleet.toml"), "--engine", "vllm", "--gpu", "0"], env=env,
+                              stdout=out.open("wb"), stderr=subprocess.STDOUT, cwd=REPO)
+    store = open_store(load_config(tmp_path / "fleet.toml"))
+    logs = lambda: out.read_text(errors="replace")  # noqa: E731
+    try:
+        wait_until(lambda: re.search(r"/celery\.apps\.worker\] \S+ ready\.$", logs(), re.M), 120, 0.2,
+                   f"a worker consuming\n{logs()[-5000:]}")
+        assert _enqueue(tmp_path / "fleet.toml", redis_server.url)[0]["queued"] == 12
+        wait_until(lambda: len(store.keys("ds")) == 12, 120, 0.2, f"12 results\n{logs()[-5000:]}")
+    finally:
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(60)
+    text = logs()
+    assert (marks / "died").exists() and not store.failures("ds")
+    [said] = [ln for ln in text.splitlines() if " died: vLLM server on GPU(s) [0] (pid " in ln]
+    assert "Worker proc VllmWorker-0 died unexpectedly (exit code: -4 (SIGILL))" in said, said
+    assert "EngineDeadError: EngineCore encountered an issue." in said.partition("; last lines of ")[2], said
+    # the pause: a server gone, with what it answered or how it ended
+    pause = text[text.index("STOPPED CONSUMING draftfleet.ds: server_down"):].splitlines()[1]
+    assert "answered that its engine died" in pause or "exited with code -4 (SIGILL)" in pause, pause
+    assert "-4 (SIGILL)" in pause, pause
+    assert re.search(r"vLLM server on GPU\(s\) \[0\] \(pid \d+\) exited with code -4 \(SIGILL\); its log says: ", text)
+    assert "resuming after a pause" in text and "not a capture engine" not in text

@@ -589,6 +589,54 @@ def test_capture_worker_refuses_to_start_on_an_engine_of_another_contract(tmp_pa
     assert not list(storage.iterdir()), "the probe's file is left behind"
 
 
+def test_a_capture_worker_whose_engine_died_on_its_first_capture_says_it_died(tmp_path, tokenizer_dir, redis_server):
+    # issue 42: vLLM's CPU engine killed by SIGILL answered EngineDeadError, which the worker called
+    # "not a capture engine this worker can use" (a configuration mistake)
+    from tests.capture_engine import CaptureEngine, contract
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    engine.dies_on_request = True  # healthy until its first capture
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]])
+    r, app = redis_server.client(), make_app(redis_server.url, 3600)
+    assert queue_capture(cfg, store, app, r, "ds").queued == 1
+    res = run_cli("worker", "capture", "--config", str(config), "--url", engine.url,
+                  env={"REDIS_URL": redis_server.url, "COLUMNS": "1000"}, timeout=60)
+    assert res.returncode == 1, res
+    [message] = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert "died on the worker's first capture, before any unit was taken" in message, message
+    assert "answered that its engine died (EngineCore encountered an issue." in message, message
+    assert "not a capture engine" not in res.stderr
+    assert r.llen(rk.capture_queue("ds")) == 1  # nothing taken
+
+
+def test_a_capture_worker_pauses_while_its_engine_is_dead_and_fails_nothing(tmp_path, tokenizer_dir, redis_server,
+                                                                             workers):
+    from tests.capture_engine import CaptureEngine, contract
+
+    storage = tmp_path / "incoming"
+    engine = CaptureEngine(storage, contract([2, 4, 5, 8], _model_sha(tmp_path)))
+    config, cfg, store = _capture_fleet(tmp_path, tokenizer_dir, engine.url, storage, [[1, 2, 3, 4]] * 2)
+    r, app, hidden = redis_server.client(), make_app(redis_server.url, 3600), HiddenStore(store)
+    assert queue_capture(cfg, store, app, r, "ds").queued == 2
+    workers.start(config, "capture", "--url", engine.url, "--name", "cap", redis_url=redis_server.url)
+    wait_until(lambda: len(list(hidden.files("ds", 1))) == 2, 60, 0.1, lambda: f"2 files\n{workers.logs()}")
+    engine.dead = True  # its engine core died: 500 EngineDeadError, /health 503
+    for i in range(2, 6):
+        _put_record(store, i, [1, 2, 3, 4 + i])
+    assert queue_capture(cfg, store, app, r, "ds").queued == 4
+    dead = "answered that its engine died (EngineCore encountered an issue."
+    wait_until(lambda: dead in workers.logs(None), 60, 0.1, lambda: f"the death\n{workers.logs()}")
+    time.sleep(6)  # past the first probe
+    log = workers.logs(None)
+    line = next(ln for ln in log.splitlines() if dead in ln)
+    assert "engine_dead: " in line and "pauses its captures" in line and "not a capture engine" not in log, line
+    assert int(r.hget(rk.capture_progress("ds"), "failed") or 0) == 0 and len(list(hidden.files("ds", 1))) == 2
+    engine.dead = False  # restarted: the units were left for it
+    wait_until(lambda: len(list(hidden.files("ds", 1))) == 6, 90, 0.1, lambda: f"6 files\n{workers.logs()}")
+    assert "captures resume" in workers.logs(None) and int(r.hget(rk.capture_progress("ds"), "failed") or 0) == 0
+
+
 def _header_only(header: dict, data: bytes = b"") -> bytes:
     head = json.dumps(header).encode()
     return struct.pack("<Q", len(head)) + head + data

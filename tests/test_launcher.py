@@ -41,6 +41,7 @@ FAKE_SERVER = textwrap.dedent(
     delay = float(os.environ.get("FAKE_SGLANG_STARTUP_DELAY", "0"))
     exit_after = os.environ.get("FAKE_SGLANG_EXIT_AFTER")
     crash_file = os.environ.get("FAKE_SGLANG_CRASH_FILE")
+    sigill_file = os.environ.get("FAKE_ENGINE_SIGILL_FILE")  # then die as vLLM's AMX kernels do without the state
     ready_at = time.monotonic() + delay
 
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -59,6 +60,19 @@ FAKE_SERVER = textwrap.dedent(
         os.remove(path)
         die(0)
 
+    def sigill(path):
+        import resource, signal
+        while not os.path.exists(path):
+            time.sleep(0.05)
+        os.remove(path)
+        print("(EngineCore pid=%d) ERROR [multiproc_executor.py:154] Worker proc VllmWorker-0 died unexpectedly "
+              "(exit code: -4), shutting down executor." % os.getpid(), flush=True)
+        print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.", flush=True)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+        os.kill(os.getpid(), signal.SIGILL)
+
+    if sigill_file:
+        threading.Thread(target=sigill, args=(sigill_file,), daemon=True).start()
     if exit_after is not None:
         threading.Thread(target=die, args=(float(exit_after),), daemon=True).start()
     if crash_file:
@@ -287,6 +301,57 @@ def test_supervisor_restarts_a_crashed_server(fake, tmp_path, caplog, engine):
         assert server.pid != first["pid"]
         assert not alive(first["pid"]) and not alive(first["helper"])  # the old group was cleaned up
     assert f"(pid {first['pid']}) exited with code 3; restart 1/10" in caplog.text
+
+
+def test_an_engine_killed_by_a_signal_is_said_in_one_line_with_the_signal_and_its_log(fake, tmp_path, caplog,
+                                                                                       target_tokenizer):
+    from draftfleet.schemas.config import VLLMBackend
+    from draftfleet.workers.engine import ServerDown
+    from draftfleet.workers.vllm import VLLMClient
+
+    caplog.set_level(logging.INFO)
+    sigill = tmp_path / "sigill-now"
+    reasons: list[str] = []
+    server = make({**fake, "FAKE_ENGINE_SIGILL_FILE": str(sigill)}, tmp_path, engine="vllm", max_restarts=0)
+    server.on_give_up = reasons.append
+    client = VLLMClient(server.url, VLLMBackend(connect_timeout_s=2), target_tokenizer, inflight=1)
+    client.process = server
+    with server:
+        pid = server.pid
+        sigill.touch()
+        wait_until(lambda: reasons)
+        clue = ("Worker proc VllmWorker-0 died unexpectedly (exit code: -4 (SIGILL)), shutting down executor.")
+        assert f"(pid {pid}) exited with code -4 (SIGILL); its log says: (EngineCore pid={pid}) ERROR" in reasons[0]
+        assert clue in reasons[0]
+        [line] = [r.getMessage() for r in caplog.records if "giving up" in r.getMessage()]
+        assert "\n" not in line
+        death = server.death()
+        assert (death.pid, death.code) == (pid, -4) and clue in death.clue
+        assert death.tail[-1] == "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."
+        # what a worker says when its requests meet the dead server: the exit, the signal named, in
+        # its error (the pause's reason) and once in full in its log
+        for _ in range(2):
+            with pytest.raises(ServerDown) as err:
+                client.post("/v1/completions", {"prompt": [1]})
+            assert f"(pid {pid}) exited with code -4 (SIGILL); its log says: " in str(err.value)
+        [said] = [r.getMessage() for r in caplog.records if r.name == "draftfleet.engine"]
+        assert said.startswith(f"{client.endpoint} died: vLLM server on GPU(s) [0] (pid {pid}) exited with code -4 "
+                               "(SIGILL)") and "last lines of " in said and "EngineDeadError" in said and "\n" not in said
+    client.close()
+
+
+def test_vllms_cpu_build_says_what_the_cpu_gives_its_attention(fake, tmp_path, caplog):
+    from draftfleet import amx
+
+    caplog.set_level(logging.INFO, logger="draftfleet.launcher")
+    with make({**fake, "VLLM_TARGET_DEVICE": "cpu"}, tmp_path, engine="vllm", extra_args=["--dtype", "bfloat16"]):
+        pass
+    note = amx.summary(amx.cpu_flags(), "bfloat16", asks=False)  # the fake's venv has no hook
+    assert f"==== draftfleet: vLLM's CPU build: {note}\n" in (tmp_path / "sglang.log").read_text()
+    assert note in caplog.text and "vLLM CPU attention will use " in note
+    with make(fake, tmp_path, engine="sglang"):
+        pass
+    assert (tmp_path / "sglang.log").read_text().count("vLLM's CPU build") == 1
 
 
 def test_supervisor_gives_up_after_max_restarts(fake, tmp_path):

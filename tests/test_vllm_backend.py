@@ -264,7 +264,7 @@ def test_a_server_that_ignores_return_token_ids_halts(fake, client):
         (error(404, "The model `tiny` does not exist. Valid aliases: other.", "NotFoundError", "model"), Halt,
          "http_404", "does not exist"),
         (error(401, "Unauthorized", "AuthenticationError"), Halt, "http_401", "check backends.vllm.api_key_env"),
-        (error(500, "EngineCore encountered an issue.", "InternalServerError"), Transient, "http_500", "EngineCore"),
+        (error(500, "CPU KV cache is full", "InternalServerError"), Transient, "http_500", "KV cache"),
     ],
 )
 def test_errors_keep_the_engines_message_and_say_whose_fault(fake, client, reply, kind, reason, words):
@@ -273,6 +273,37 @@ def test_errors_keep_the_engines_message_and_say_whose_fault(fake, client, reply
         client.generate(task())
     assert exc.value.reason == reason and words in str(exc.value)
     assert not isinstance(exc.value, ServerDown)
+
+
+ENGINE_DEAD = error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                    "InternalServerError")  # vLLM's answer once its engine core died; its server exits next
+
+
+def test_an_engine_that_died_is_a_server_gone_never_the_prompts_fault(fake, client, caplog):
+    fake.reply = lambda body: ENGINE_DEAD
+    with pytest.raises(ServerDown) as exc:  # retried, then the worker pauses (tasks.py's ServerDown path)
+        client.generate(task())
+    assert exc.value.reason == "engine_dead"
+    assert f"{client.endpoint} answered that its engine died (EngineCore encountered an issue." in str(exc.value)
+    assert not caplog.records  # attached by URL: the server's log is its own
+
+
+def test_an_engine_this_worker_launched_is_described_by_its_exit_and_log(fake, client, caplog):
+    from draftfleet.workers.launcher import EngineDeath
+
+    death = EngineDeath(label="vLLM", gpus=[0], pid=4242, code=-4, log_path="/tmp/vllm.log",
+                        clue="Worker proc VllmWorker-0 died unexpectedly (exit code: -4 (SIGILL))",
+                        tail=["RuntimeError: cancelled", "EngineDeadError: EngineCore encountered an issue."])
+    client.process = type("Launched", (), {"death": staticmethod(lambda: death)})()
+    fake.reply = lambda body: ENGINE_DEAD
+    for _ in range(3):
+        with pytest.raises(ServerDown) as exc:
+            client.generate(task())
+    assert str(exc.value).endswith("vLLM server on GPU(s) [0] (pid 4242) exited with code -4 (SIGILL); its log says: "
+                                   "Worker proc VllmWorker-0 died unexpectedly (exit code: -4 (SIGILL))")
+    [said] = [r.getMessage() for r in caplog.records]  # once per server process, in one line, with the log's end
+    assert said == (f"{client.endpoint} died: {death.headline()}; last lines of /tmp/vllm.log: RuntimeError: cancelled"
+                    " | EngineDeadError: EngineCore encountered an issue.")
 
 
 def test_an_aborted_request_is_retried(fake, client):

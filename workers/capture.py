@@ -55,6 +55,7 @@ from draftfleet.workers.capture_engine import (INFRA_RETRY_S, SETTINGS_HALTS, En
 from draftfleet.workers.capture_intake import (ORPHAN_S, CaptureClient, Captured, UnitStore, check_states,
                                                sweep_orphans, unit_metadata, wanted_contract)
 from draftfleet.workers.consumer import dead_letter
+from draftfleet.workers.engine import ServerDown
 
 log = logging.getLogger("draftfleet.capture")
 
@@ -248,6 +249,9 @@ def _capture(rt: CaptureRuntime, task: CaptureTask, m: CaptureManifest, ids: lis
             rt.gate.done(probe, right=got is not None)
             failure = exc
             break
+        except ServerDown as exc:  # the engine died or went away, not the unit: pause, as for a wrong engine
+            rt.gate.wrong(probe, exc)
+            raise Reject(exc.reason, requeue=True) from None
         except Transient as exc:
             rt.gate.done(probe, right=got is not None)
             failure = exc
@@ -354,6 +358,7 @@ def run_capture_worker(cfg: FleetConfig, *, url: str | None = None, gpus: list[i
             storage = Path(storage_path(cfg))
         n = slots or cfg.capture.inflight
         client = CaptureClient(url, cfg.vllm, tokenizer, inflight=n, storage=storage)
+        client.process = server  # its exit and log go into what the worker says of a dead engine
         log.info("waiting for vLLM at %s", redact(url))
         client.wait_ready(ready_timeout_s)
         check_engine(client, wanted_contract(model=model, layer_ids=layer_ids, dtype=DTYPES[cfg.capture.dtype]))

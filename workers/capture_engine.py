@@ -5,9 +5,10 @@ fleet: ``PYTHONPATH`` names a fresh folder of this user's alone holding only the
 (:func:`connector_folder`), never the data folder. Its flags ask for exactly the version's layers,
 dtype and header room, with no prefix caching (every state is computed for its request). A worker
 refuses to start against an engine whose first file carries no contract or another one
-(:func:`check_engine`), and while an engine's files carry other settings than a version's, one unit
-at a time asks it again after a growing pause (:class:`EngineGate`), so the units stay queued and
-none fails.
+(:func:`check_engine`), or one that died on that first capture (said as such, with its exit). While
+an engine's files carry other settings than a version's, or the engine is dead or gone, one unit at
+a time asks it again after a growing pause (:class:`EngineGate`), so the units stay queued and none
+fails.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from draftfleet.store import make_dirs
 from draftfleet.workers.backends import Halt, Permanent, Transient
 from draftfleet.workers.capture_intake import (CONNECTOR_CLASS, CONNECTOR_MODULE, CaptureClient, check_contract, not_ours,
                                                sweep_orphans)
+from draftfleet.workers.engine import ServerDown
 
 log = logging.getLogger("draftfleet.capture")
 
@@ -135,7 +137,8 @@ SETTINGS_PAUSE_MAX_S = 60.0
 
 class EngineGate:
     """The worker's pause while its engine's files carry other settings than the version's (an engine
-    restarted by hand with other layers): the units go back to their queue, and instead of every
+    restarted by hand with other layers), or while the engine is dead or gone (``ServerDown``: a
+    launched one is being restarted): the units go back to their queue, and instead of every
     thread asking the engine again at once, one unit tries it after ``INFRA_RETRY_S``, then after
     twice as long each time it is still wrong, up to ``SETTINGS_PAUSE_MAX_S``; the others wait. The
     log says so once, and once more when the engine is right again."""
@@ -157,9 +160,9 @@ class EngineGate:
                 self._cond.wait(wait if wait > 0 else None)
             return False
 
-    def wrong(self, probe: bool, why: Halt) -> None:
-        """The engine's file carried other settings: pause (a probe's failure doubles the pause; a
-        request already under way when the pause began changes nothing)."""
+    def wrong(self, probe: bool, why: Halt | ServerDown) -> None:
+        """The engine's file carried other settings, or the engine is dead: pause (a probe's failure
+        doubles the pause; a request already under way when the pause began changes nothing)."""
         with self._cond:
             first = not self._delay
             if first or probe:
@@ -178,7 +181,7 @@ class EngineGate:
         with self._cond:
             if right and self._delay:
                 self._delay = 0.0
-                log.warning("the engine's files carry the version's settings again: captures resume")
+                log.warning("the engine answers again, its files with the version's settings: captures resume")
             if probe:
                 self._probing = False
             self._cond.notify_all()
@@ -211,6 +214,9 @@ def check_engine(client: CaptureClient, want: EngineContract) -> None:
                 raise not_ours(got.path, exc) from None
         finally:
             got.discard()
+    except ServerDown as exc:  # died (or went away) on its first capture: not a configuration mistake
+        raise CaptureError(f"the engine at {client.endpoint} died on the worker's first capture, before any unit "
+                           f"was taken: {exc}") from None
     except (Halt, Permanent, Transient) as exc:
         raise CaptureError(f"{client.endpoint} is not a capture engine this worker can use: {exc}") from None
 

@@ -3,7 +3,9 @@ server's API key, the health and readiness probes, and how an engine's HTTP answ
 retry policy of ``backends.py``.
 
 Failures are sorted by whose fault they are. A refused connection means the server is gone
-(:class:`ServerDown`: retried, then the worker pauses; the prompt is never failed); 5xx, 408/429,
+(:class:`ServerDown`: retried, then the worker pauses; the prompt is never failed), and so does an
+engine that answers that it died (:class:`EngineDead`: vLLM's ``EngineDeadError``, as HTTP 500, after
+which its server exits); other 5xx, 408/429,
 timeouts and cut connections are worth another try; 401/403 (a wrong key) and 404 (a wrong URL or
 model) pause the worker until a person acts; any other 4xx is this prompt's fault (context too
 long, a bad parameter) and fails it with the engine's own message.
@@ -11,9 +13,12 @@ long, a bad parameter) and fails it with the engine's own message.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import threading
 import time
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import httpx
 import msgspec
@@ -26,10 +31,27 @@ from draftfleet.tokenizer import TargetTokenizer, TemplateError, TokenizerError
 from draftfleet.workers.backends import Generation, Halt, Permanent, Transient, parse_retry_after
 
 _decode = msgspec.json.decode
+log = logging.getLogger("draftfleet.engine")
+# vLLM's words when its engine core died (vllm.v1.engine.exceptions.EngineDeadError): the API server
+# answers HTTP 500 {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for
+# the root cause.", "type": "InternalServerError"}} and then shuts down.
+_DEAD = re.compile(r"EngineDeadError|EngineCore encountered an issue")
+_SAID = threading.Lock()  # guards EngineClient._said_pid
 
 
 class ServerDown(Transient):
     """The server does not answer at all: the prompt is not at fault, so it is never failed."""
+
+
+class EngineDead(ServerDown):
+    """The engine answered that it died: a server going away (retried, then the worker pauses),
+    never the prompt's fault nor a setting."""
+
+
+class EngineProcess(Protocol):
+    """A launched server (``launcher.EngineServer``): what its death was."""
+
+    def death(self): ...
 
 
 def engine_api_key(engine: Engine, settings: EngineBackend) -> str | None:
@@ -75,6 +97,11 @@ class EngineClient:
     # and takes up to 20 s under load, so its client raises this.
     health_timeout_s: ClassVar[float] = 10.0
 
+    # The server this worker launched (None: attached by URL, its log is the server's own): what
+    # its death was goes into the errors, and once per server process into the log in full.
+    process: EngineProcess | None = None
+    _said_pid: int | None = None
+
     def __init__(self, url: str, settings: EngineBackend, tokenizer: TargetTokenizer, *, inflight: int,
                  name: str | None = None):  # fmt: skip
         self.name = name or self.engine
@@ -117,14 +144,17 @@ class EngineClient:
         try:
             resp = self.client.post(path, content=msgspec.json.encode(body), headers={"content-type": "application/json"})
         except httpx.ConnectError as exc:
-            raise ServerDown("server_down", f"{self.endpoint}: {exc}") from None
+            raise ServerDown("server_down", self.gone(f"{self.endpoint}: {exc}")) from None
         except httpx.TimeoutException:
             raise Transient("timeout", f"{self.endpoint} did not answer in time") from None
         except httpx.TransportError as exc:
             raise Transient("connection", f"{self.endpoint}: {type(exc).__name__}") from None
         status = resp.status_code
         if status >= 500 or status in (408, 429):
-            raise Transient(f"http_{status}", error_message(resp, 200), parse_retry_after(resp.headers.get("retry-after")))
+            message = error_message(resp, 200)
+            if status == 500 and _DEAD.search(message):
+                raise EngineDead("engine_dead", self.gone(f"{self.endpoint} answered that its engine died ({message})"))
+            raise Transient(f"http_{status}", message, parse_retry_after(resp.headers.get("retry-after")))
         if status in (401, 403):
             raise Halt(f"http_{status}", f"{self.endpoint} refused the worker's key ({error_message(resp, 200)}): "
                        f"check backends.{self.engine}.api_key_env against the server's --api-key",
@@ -137,6 +167,19 @@ class EngineClient:
             return _decode(resp.content)
         except msgspec.DecodeError:
             raise Transient("bad_body", "response is not JSON") from None
+
+    def gone(self, what: str) -> str:
+        """``what``, with the launched server's exit (the signal named) and the line of its log where
+        the engine died; the first time for each server process, that and the log's last lines are
+        logged in one line."""
+        death = self.process.death() if self.process is not None else None
+        if death is None or (death.code is None and not death.clue):  # not dead (starting again): nothing to add
+            return what
+        with _SAID:  # the worker's request threads meet the death at once: one says it
+            first, self._said_pid = death.pid != self._said_pid, death.pid
+        if first:
+            log.error("%s died: %s", self.endpoint, death.line())
+        return f"{what}: {death.headline()}"
 
     def rejected(self, resp: httpx.Response) -> Exception:
         """What a 4xx refusal of a request means: by default this prompt's fault (too long, ...)."""

