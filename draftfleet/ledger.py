@@ -52,8 +52,8 @@ import msgspec
 import redis
 
 from draftfleet import redis_keys as rk
-from draftfleet.ledger_scripts import (ADMIT, BUDGET_FIELDS, CHARGE, CLAIM_ADMIT, COUNT_BATCH, COUNT_ONCE, DROP_DEAD,
-                                       LEASE, LEASE_RETURN, PREPAY, PURGE, REBUILD_PAID, RELEASE, RESTORE)
+from draftfleet.ledger_scripts import (ADMIT, BUDGET_FIELDS, CHARGE, CLAIM_ADMIT, COUNT_BATCH, COUNT_ONCE, BURY_DEAD,
+                                       LEASE, LEASE_RETURN, PREPAY, PURGE, REBUILD_PAID, RELEASE, RESTORE, SETTLE_DEAD)
 from draftfleet.schemas.config import BudgetRule
 from draftfleet.schemas.records import ChargeRecord, ResponseRecord
 
@@ -92,6 +92,7 @@ class Admission(msgspec.Struct, frozen=True):
     verdict: int
     granted: int = 0
     budget: str = ""
+    buried: int = 0  # WAIT: reservations whose claim is gone, held until the store is counted (settle_dead)
 
 
 class BudgetUse(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,7 +128,7 @@ def _text(v: bytes | str | None) -> str:
 
 
 def _admission(out: list) -> Admission:
-    return Admission(int(out[0]), int(out[1]), _text(out[2]))
+    return Admission(int(out[0]), int(out[1]), _text(out[2]), int(out[3]))
 
 
 def micro_usd(cost: float) -> int:
@@ -145,7 +146,8 @@ class Ledger:
         self._admit = client.register_script(ADMIT)
         self._purge = client.register_script(PURGE)
         self._release = client.register_script(RELEASE)
-        self._drop_dead = client.register_script(DROP_DEAD)
+        self._bury_dead = client.register_script(BURY_DEAD)
+        self._settle_dead = client.register_script(SETTLE_DEAD)
         self._prepay = client.register_script(PREPAY)
         self._rebuild_paid = client.register_script(REBUILD_PAID)
         self._charge = client.register_script(CHARGE)
@@ -276,7 +278,8 @@ class Ledger:
 
     def _admission_keys(self, dataset: str) -> list[str]:
         return [rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset),
-                rk.reservations_due(dataset), rk.reserved_sum(dataset), rk.BUDGETS, rk.COUNTERS_BUILT]
+                rk.reservations_due(dataset), rk.reserved_sum(dataset), rk.BUDGETS, rk.COUNTERS_BUILT,
+                rk.reservations_dead(dataset)]
 
     def _args(self, dataset: str, key: str, token: str, budget: int, want: int) -> list:
         return [key, budget, want, rk.claim(dataset, ""), RECHECK_MS, EXPIRE_BATCH, dataset, token, FLOOR_FRACTION]
@@ -342,17 +345,40 @@ class Ledger:
         keys = [rk.reservations(dataset), *self._reservation_index(dataset), rk.counted_set(dataset)]
         return sum(int(self._restore(keys=keys, args=[k, max_tokens, 0, prefix, RECHECK_MS])) for k in held)
 
-    def drop_dead(self, dataset: str) -> int:
-        """Drop every reservation whose claim is gone or held by another copy (a full pass, for
-        the reconciler); how many."""
+    def bury_dead(self, dataset: str) -> int:
+        """Bury every reservation whose claim is gone or held by another copy (a full pass, for the
+        reconciler, before it counts the store): held, no longer any claim's, until
+        :meth:`settle_dead`; how many."""
         entries = {k.decode(): v.decode() for k, v in self.r.hgetall(rk.reservations(dataset)).items()}
+        entries = {k: v for k, v in entries.items() if not v.endswith(":")}  # buried already
         pipe = self.r.pipeline(transaction=False)
         for k in entries:
             pipe.get(rk.claim(dataset, k))
         dead = [k for (k, v), holder in zip(entries.items(), pipe.execute())
                 if holder is None or v.split(":", 1)[-1] != holder.decode()]
-        index = [rk.reservations(dataset), *self._reservation_index(dataset)]
-        return sum(int(self._drop_dead(keys=index, args=[k, rk.claim(dataset, "")])) for k in dead)
+        keys = [*self._dead_keys(dataset)]
+        return sum(int(self._bury_dead(keys=keys, args=[k, rk.claim(dataset, "")])) for k in dead)
+
+    def settle_dead(self, dataset: str, before_ms: int) -> int:
+        """Free the reservations buried at or before ``before_ms`` (Redis's clock, :meth:`now_ms`) and
+        still buried: call it once a pass over the store that began after ``before_ms`` has counted
+        every answer stored (the answer of a buried reservation's task, if any, settled it); how
+        many. Buried, a reservation never frees room on its own: a worker killed between storing an
+        answer and counting it (or a tally that gave up counting) cannot let the budget pass."""
+        return int(self._settle_dead(keys=self._dead_keys(dataset), args=[before_ms]))
+
+    def now_ms(self) -> int:
+        """Redis's clock (the one the scripts stamp burials with), in milliseconds."""
+        sec, usec = self.r.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    def buried(self, dataset: str) -> int:
+        return int(self.r.zcard(rk.reservations_dead(dataset)))
+
+    @staticmethod
+    def _dead_keys(dataset: str) -> list[str]:
+        return [rk.reservations(dataset), rk.reservations_due(dataset), rk.reserved_sum(dataset),
+                rk.reservations_dead(dataset)]
 
     def closed_at(self, dataset: str) -> int | None:
         """The budget the dataset was closed at, or None when it is open."""

@@ -28,6 +28,14 @@ local function add(agg, n)
   if n == 0 then return end
   if redis.call('HINCRBY', agg, 'r', n) <= 0 then redis.call('DEL', agg) end
 end
+-- a reservation whose claim is gone (its worker died, or let go of a result it could not count):
+-- its task may have stored an answer not counted yet, so the tokens stay reserved, no longer under
+-- any claim (the token emptied), until a pass over the store has counted what it holds (SETTLE_DEAD)
+local function bury(res, due, dead, k, c, now)
+  redis.call('HSET', res, k, c .. ':')
+  redis.call('ZREM', due, k)
+  redis.call('ZADD', dead, now, k)
+end
 local function settle(res, due, agg, k, token)
   local v = redis.call('HGET', res, k)
   if not v then return 0 end
@@ -286,12 +294,33 @@ return 1
 
 RELEASE = SETTLE + "return settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])"
 
-# Drop a reservation only if the claim it was taken under is gone (checked here, atomically with
-# the drop): the key unclaimed, or claimed by another copy.
-DROP_DEAD = SETTLE + """
+# The reconciler's full pass, before it counts the store: bury (as admission's due pass does) the
+# reservation of ARGV[1] if the claim it was taken under is gone (checked here, atomically): the key
+# unclaimed, or claimed by another copy. KEYS: reservations, due index, reserved total, buried.
+BURY_DEAD = SETTLE + """
 local c, tok = parse(redis.call('HGET', KEYS[1], ARGV[1]))
-if c and redis.call('GET', ARGV[2] .. ARGV[1]) == tok then return 0 end
-return settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
+if not c or tok == '' or redis.call('GET', ARGV[2] .. ARGV[1]) == tok then return 0 end
+local t = redis.call('TIME')
+bury(KEYS[1], KEYS[2], KEYS[4], ARGV[1], c, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+return 1
+"""
+
+# After a pass over the store counted every answer it holds: the reservations buried before the pass
+# began (score <= ARGV[1]) and still buried go (those of stored answers were settled by their count).
+# KEYS: reservations, due index, reserved total, buried. Returns how many went.
+SETTLE_DEAD = SETTLE + """
+local n = 0
+for _, k in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ARGV[1])) do
+  local c, tok = parse(redis.call('HGET', KEYS[1], k))
+  if c and tok == '' then
+    redis.call('HDEL', KEYS[1], k)
+    redis.call('ZREM', KEYS[2], k)
+    add(KEYS[3], -c)
+    n = n + 1
+  end
+  redis.call('ZREM', KEYS[4], k)
+end
+return n
 """
 
 # Admission. One rule (ledger.py): a task reserves the most it can make, its max_tokens (x the
@@ -334,7 +363,7 @@ for _, k in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now, 'LIMIT', 0, ton
   if not c then
     redis.call('ZREM', due, k)  -- settled meanwhile: nothing left to look at
   elseif redis.call('GET', ARGV[4] .. k) ~= tok then
-    settle(res, due, agg, k)  -- (a lease's set of keys taken out expires on its own)
+    bury(res, due, KEYS[8], k, c, now)  -- held until the store is counted (a lease's set of keys taken out expires)
   else
     local ttl = redis.call('PTTL', ARGV[4] .. k)
     redis.call('ZADD', due, now + ((ttl > 0) and ttl or tonumber(ARGV[5])), k)
@@ -355,13 +384,18 @@ elseif room >= math.max(1, math.min(want, math.floor(budget / tonumber(ARGV[9]))
   grant = room  -- the last stretch: asked with what is left as its max_tokens
 end
 if grant == 0 then
-  if reserved > 0 then return 2, 0, live or '' end  -- what is in flight may come in short: wait for it
+  -- what is in flight may come in short: wait for it (and say how much of it is buried: a pass over
+  -- the store frees what stored nothing)
+  if reserved > 0 then return 2, 0, live or '', redis.call('ZCARD', KEYS[8]) end
   redis.call('SET', KEYS[3], budget)  -- nothing in flight and less than the floor left: full
   return 0, 0, live or ''
 end
-settle(res, due, agg, ARGV[1])
-redis.call('HSET', res, ARGV[1], grant .. ':' .. ARGV[8])
-add(agg, grant)
+-- the key's earlier entry (a copy before this one, buried or not) is taken over: the larger of the
+-- two stays reserved, for that copy may have stored an answer the count of which is still to come
+local old = parse(redis.call('HGET', res, ARGV[1])) or 0
+redis.call('HSET', res, ARGV[1], math.max(old, grant) .. ':' .. ARGV[8])
+add(agg, math.max(old, grant) - old)
+redis.call('ZREM', KEYS[8], ARGV[1])
 local ttl = claim_ttl_ms or redis.call('PTTL', ARGV[4] .. ARGV[1])
 redis.call('ZADD', due, now + ((ttl > 0) and ttl or tonumber(ARGV[5])), ARGV[1])
 return 1, grant, live or ''
@@ -369,8 +403,8 @@ end
 """.replace("@BUDGET_FIELDS@", ", ".join(f"'{f}'" for f in BUDGET_FIELDS))
 
 ADMIT = SETTLE + _ADMIT_BODY + """
-local verdict, grant, live = admit()
-return {verdict, grant, live}
+local verdict, grant, live, buried = admit()
+return {verdict, grant, live, buried or 0}
 """
 
 # The claim and the admission in one step (one round trip where there were two): the key's claim
@@ -379,8 +413,8 @@ return {verdict, grant, live}
 CLAIM_ADMIT = SETTLE + _ADMIT_BODY + """
 if not redis.call('SET', ARGV[4] .. ARGV[1], ARGV[8], 'NX', 'EX', ARGV[10]) then return {-3, 0, ''} end
 claim_ttl_ms = tonumber(ARGV[10]) * 1000
-local verdict, grant, live = admit()
-return {verdict, grant, live}
+local verdict, grant, live, buried = admit()
+return {verdict, grant, live, buried or 0}
 """
 
 # A worker's lease of a dataset's budget (workers/leases.py): the claim of the lease's name ARGV[1]

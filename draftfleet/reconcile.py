@@ -148,8 +148,14 @@ class Reconciler:
                     pass  # it changed hands: not ours to delete
 
     def reconcile(self, dataset: str) -> Drift:
+        """Count what the store holds and Redis does not, correct the counters to the records, and
+        free the reservations of dead tasks: buried first (their claim gone), freed only after the
+        store was listed and counted, so that the answer a task stored before it died is counted
+        before its room goes back (``Ledger.settle_dead``)."""
         unreadable: list[str] = []
         broken: set[str] = set()
+        self.ledger.bury_dead(dataset)
+        buried_before = self.ledger.now_ms()
         keys = self.store.keys(dataset)
         for failure in self.store.all_failures(dataset):  # finished since (a bucket's put leaves it)
             if failure.key in keys:
@@ -223,7 +229,7 @@ class Reconciler:
         pipe.execute()
 
         remarked, paid = self._paid_turns(dataset)
-        stale = self.ledger.drop_dead(dataset)
+        stale = self.ledger.settle_dead(dataset, buried_before) if not unreadable else 0
         return Drift(
             dataset=dataset, stored=len(keys), counted=len(counted), newly_counted=newly, newly_in_flight=in_flight,
             corrections=corrections, counted_not_stored=len(counted - keys), stale_reservations=stale,

@@ -83,6 +83,18 @@ def reserved_sum(dataset: str) -> str:
     return f"{PREFIX}reserved_sum:{dataset}"
 
 
+def reservations_dead(dataset: str) -> str:
+    """Sorted set of the reservations whose claim lapsed, by when admission found it gone: still
+    reserved (their task may have stored an answer not counted yet) until a pass over the store has
+    counted what it holds (``Ledger.settle_dead``)."""
+    return f"{PREFIX}reserved_dead:{dataset}"
+
+
+def settling(dataset: str) -> str:
+    """Held (``SET NX EX``) by the worker counting the store for a dataset's buried reservations."""
+    return f"{PREFIX}settling:{dataset}"
+
+
 def closed(dataset: str) -> str:
     """Set (to the budget it closed at) once a dataset's budget is reached."""
     return f"{PREFIX}closed:{dataset}"

@@ -221,7 +221,8 @@ def test_a_lease_asks_for_at_most_most_slots(redis_server):
 
 def test_a_dead_workers_lease_lapses_with_its_claim(redis_server):
     """The lease's reservation belongs to its claim: the claim gone (its worker killed), admission's
-    due pass drops it at the claim's TTL (LEASE scheduled it then), and the budget's room comes back."""
+    due pass buries it at the claim's TTL (LEASE scheduled it then), and once the store is counted
+    (the results its tasks stored are in the totals) the budget's room comes back."""
     r = redis_server.client()
     ledger = Ledger(r)
     name = rk.LEASE_PREFIX + "dead"
@@ -234,6 +235,8 @@ def test_a_dead_workers_lease_lapses_with_its_claim(redis_server):
     ledger.release("ds", "k", "w:2:y")
     r.set(rk.claim("ds", "k2"), "w:2:z", ex=60)
     assert ledger.claim_admit("ds", "k3", "w:2:q", 60, 10**6, 50).verdict == ADMITTED
+    assert r.hget(rk.reservations("ds"), name) == f"{8 * CAP}:".encode() and _reserved(r) == 8 * CAP + 50
+    assert ledger.settle_dead("ds", ledger.now_ms()) == 1  # as the reconciler does, after counting the store
     assert not r.hexists(rk.reservations("ds"), name) and _reserved(r) == 50
 
 

@@ -92,18 +92,40 @@ def test_the_published_budget_wins_and_lost_counters_admit_nothing(redis_server)
     assert _admit(r, ledger, "d", 10**6, 300).verdict == LOST and not r.hexists(rk.reservations("ds"), "d")
 
 
-def test_reservations_of_dead_workers_are_dropped(redis_server):
+def test_reservations_of_dead_workers_are_held_until_the_store_is_counted(redis_server, tmp_path):
+    """A dead worker's reservation is not freed when its claim lapses: its task may have stored an
+    answer and died before counting it. Admission's due pass buries it (still reserved, no claim's);
+    the reconciler's pass counts the store, then frees what stored nothing. Freed at the lapse (as
+    before), the dead task's stored 300 would have let a later task past the budget."""
+    from draftfleet.reconcile import Reconciler
+    from draftfleet.store.folder import FileStore
+
     r = redis_server.client()
     ledger = Ledger(r)
-    assert _admit(r, ledger, "alive", 10**6, 100).verdict == ADMITTED
-    r.set(rk.claim("ds", "dead"), "w", px=300)
-    assert ledger.admit("ds", "dead", "w", 10**6, 100).verdict == ADMITTED
-    time.sleep(0.5)  # the dead worker's claim lapses: its reservation is due and dropped
-    _admit(r, ledger, "next", 10**6, 100)
-    assert set(r.hkeys(rk.reservations("ds"))) == {b"alive", b"next"} and _reserved(r) == 200
-    # the reconciler's full pass drops the rest once their claims are gone
+    store = FileStore(tmp_path / "store")
+    store.prepare()
+    stored, nothing = f"{7:064x}", f"{8:064x}"
+    assert _admit(r, ledger, "alive", 1000, 300).verdict == ADMITTED
+    for dead in (stored, nothing):
+        r.set(rk.claim("ds", dead), "w", px=300)
+        assert ledger.admit("ds", dead, "w", 1000, 300).verdict == ADMITTED
+    assert store.put(_rec(stored, 300))  # stored, never counted: the worker died
+    time.sleep(0.5)  # the dead worker's claims lapse: their reservations are due, and buried
+    a = _admit(r, ledger, "next", 1000, 300)
+    assert (a.verdict, a.granted, a.buried) == (ADMITTED, 100, 0)
+    assert r.zcard(rk.reservations_dead("ds")) == 2 and _reserved(r) == 1000
+    assert r.hget(rk.reservations("ds"), stored) == b"300:"  # no claim's: no stale copy releases it
+    ledger.release("ds", stored, "w")
+    w = _admit(r, ledger, "more", 1000, 300)
+    assert (w.verdict, w.buried, _reserved(r)) == (WAIT, 2, 1000)
+    drift = Reconciler(store, r).reconcile("ds")
+    assert (drift.newly_counted, drift.stale_reservations) == (1, 1)  # counted, then the other freed
+    assert ledger.dataset_totals("ds")["completion_tokens"] == 300 and _reserved(r) == 400
+    assert not r.exists(rk.reservations_dead("ds"))
+    # the reconciler's own full pass buries what admission has not looked at yet
     r.delete(rk.claim("ds", "alive"), rk.claim("ds", "next"))
-    assert ledger.drop_dead("ds") == 2 and not r.exists(rk.reservations("ds"), rk.reserved_sum("ds"))
+    assert ledger.bury_dead("ds") == 2 and _reserved(r) == 400
+    assert ledger.settle_dead("ds", ledger.now_ms()) == 2 and not r.exists(rk.reservations("ds"), rk.reserved_sum("ds"))
 
 
 def _commands(r) -> int:
@@ -160,7 +182,9 @@ def test_the_reserved_total_always_matches_the_reservations(redis_server):
         assert _reserved(r) == sum(entries.values()), i
         committed = ledger.dataset_totals("ds").get("completion_tokens", 0)
         assert committed + _reserved(r) <= budget, i
-        assert {m.decode() for m in r.zrange(rk.reservations_due("ds"), 0, -1)} == set(entries), i
+        buried = {k.decode() for k, v in r.hgetall(rk.reservations("ds")).items() if v.endswith(b":")}
+        assert {m.decode() for m in r.zrange(rk.reservations_due("ds"), 0, -1)} == set(entries) - buried, i
+        assert {m.decode() for m in r.zrange(rk.reservations_dead("ds"), 0, -1)} == buried, i
 
 
 def test_a_stale_copy_never_releases_the_reservation_of_the_copy_that_runs_now(redis_server):
@@ -174,13 +198,14 @@ def test_a_stale_copy_never_releases_the_reservation_of_the_copy_that_runs_now(r
     assert _admit(r, ledger, "k", 10**6, 100, token="host:2:b").verdict == ADMITTED
     ledger.release("ds", "k", "host:1:a")
     assert r.hget(rk.reservations("ds"), "k").decode() == "100:host:2:b" and _reserved(r) == 100
-    assert ledger.drop_dead("ds") == 0  # B's claim holds it
+    assert ledger.bury_dead("ds") == 0  # B's claim holds it
     ledger.release("ds", "k", "host:2:b")
     assert not r.exists(rk.reservations("ds"), rk.reserved_sum("ds"))
     # a reservation whose claim another copy holds is dead to the reconciler's pass
     assert ledger.admit("ds", "k", "host:2:b", 10**6, 100).verdict == ADMITTED
     r.set(rk.claim("ds", "k"), "host:3:c", ex=120)
-    assert ledger.drop_dead("ds") == 1 and not r.exists(rk.reservations("ds"))
+    assert ledger.bury_dead("ds") == 1 and r.hget(rk.reservations("ds"), "k") == b"100:"
+    assert ledger.settle_dead("ds", ledger.now_ms()) == 1 and not r.exists(rk.reservations("ds"))
 
 
 def test_admission_refuses_because_of_paid_turns(redis_server):

@@ -60,7 +60,7 @@ def run_reconciler(cfg: FleetConfig, *, redis_url: str | None = None, interval_s
                 log.warning("%s: %d kept turns of unstored conversations counted as paid again; paid tokens "
                             "corrected by %+d", drift.dataset, drift.paid_turns_marked, drift.paid_tokens_corrected)
             if drift.stale_reservations:
-                log.info("%s: dropped %d reservations of dead workers", drift.dataset, drift.stale_reservations)
+                log.info("%s: freed %d reservations of dead tasks (the store counted)", drift.dataset, drift.stale_reservations)
 
     app.conf.beat_schedule = {
         "reconcile": {"task": RECONCILE_TASK, "schedule": interval_s,

@@ -23,7 +23,7 @@ from draftfleet.assign import assigned, published
 from draftfleet.claims import CLAIM_TTL_S, Claims
 from draftfleet.identity import task_problem
 from draftfleet.ledger import ADMITTED, CLAIMED, Admission, Ledger, publish_value
-from draftfleet.reconcile import ensure_counters
+from draftfleet.reconcile import Reconciler, ensure_counters
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import ChargeRecord, GenerationSettings, PromptTask, ResponseRecord, WorkerReport
 from draftfleet.store import Store, new_charge_id
@@ -36,6 +36,9 @@ log = logging.getLogger("draftfleet.worker")
 ASSIGNMENT_POLL_S = 1.0
 ADMISSION_WAIT_S = 1.0
 IDLE_QUEUE = rk.QUEUE_PREFIX + "_idle"
+
+
+SETTLE_EVERY_S = 10  # a worker's own pass over the store for buried reservations, at most this often a dataset
 
 
 class Runtime:
@@ -292,6 +295,28 @@ class Runtime:
         """Whether the counters are the store's, rebuilding them here when no other process is
         (``reconcile.ensure_counters``): False while another one rebuilds them."""
         return ensure_counters(self.store, self.r, wait=False)
+
+    def settle_buried(self, dataset: str) -> None:
+        """Admission waits on reservations of dead tasks (buried: their claims lapsed, their answers
+        maybe stored, not counted): count the store and free the rest now, in the background, as the
+        reconciler's pass would (a fleet may run none). One worker of the fleet at a time, at most
+        every ``SETTLE_EVERY_S`` a dataset."""
+        try:
+            if not self.r.set(rk.settling(dataset), self.hostname, nx=True, ex=SETTLE_EVERY_S):
+                return
+        except redis.RedisError:
+            return
+
+        def run() -> None:
+            try:
+                drift = Reconciler(self.store, self.r).reconcile(dataset)
+                if drift.stale_reservations:
+                    log.info("%s: freed %d reservation(s) of dead tasks once the store was counted", dataset,
+                             drift.stale_reservations)
+            except Exception as exc:  # noqa: BLE001 - the reconciler's next pass does it
+                log.warning("%s: counting the store for the reservations of dead tasks failed: %s", dataset, exc)
+
+        threading.Thread(target=run, name="draftfleet-settle", daemon=True).start()
 
     def charge(self, task: PromptTask, backend: str, cost_usd: float, reason: str) -> None:
         """A generation paid for that no record will carry: kept in the store, then into the spend."""

@@ -108,12 +108,11 @@ class Tally:
                 self._abandon(batch)
 
     def _abandon(self, batch: list[tuple[ResponseRecord, str, str, Lease | None]]) -> None:
-        """Let go of what ``batch`` holds (its records are stored: the reconciler counts them)."""
-        for record, key, token, lease in batch:
-            try:
-                self.ledger.release(record.dataset, record.key, token)
-            except redis.RedisError:
-                pass  # the reservation lapses with the claim
+        """Let go of the claims ``batch`` holds. Its records are stored, maybe not counted: their
+        reservations are not released (that would give their room back before the tokens are in
+        the totals) but buried once the claims are gone, and freed after the reconciler, or a worker
+        whose admission waits on them, has counted the store (``Ledger.settle_dead``)."""
+        for *_, lease in batch:
             if lease is not None:  # its slot goes with the lease, whose claim the worker then deletes
                 self.leases.counted(lease, lost=True)
         self.claims.forget([(key, token) for _, key, token, _ in batch])
@@ -126,7 +125,8 @@ class Tally:
         for record, _, token, lease in batch:
             by_backend.setdefault(record.backend, []).append(
                 (record, token) if lease is None else (record, token, lease.name, lease.cap))
-        for results in by_backend.values():
+        given_up: set[str] = set()  # backends whose results may not be counted: their slots are not known out
+        for backend, results in by_backend.items():
             attempt, delay = 0, 0.5
             while True:
                 attempt += 1
@@ -139,11 +139,12 @@ class Tally:
                     if self._closed and attempt >= CLOSE_ATTEMPTS:
                         log.warning("%d stored result(s) not counted (%s): the reconciler counts them from the store",
                                     len(results), exc)
+                        given_up.add(backend)
                         break
                     log.warning("counting %d stored result(s) failed (%s); again in %.1fs", len(results), exc, delay)
                     time.sleep(delay)
                     delay = min(10.0, delay * 2)
         self.claims.forget([(key, token) for _, key, token, _ in batch])
-        for *_, lease in batch:
+        for record, *_, lease in batch:
             if lease is not None:
-                self.leases.counted(lease)
+                self.leases.counted(lease, lost=record.backend in given_up)
