@@ -15,12 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import (admission, capture, enqueue, html_report, inventory, overhead, readers, redis_cost, report, retokenize,
-               saturation, store, vllm)
+from . import (admission, budgets, capture, enqueue, html_report, inventory, overhead, readers, redis_cost, report,
+               retokenize, saturation, store, vllm)
 from .env import REPO, Section, fresh_dir, machine
 
 NAMES = ("saturation", "vllm", "capture", "overhead", "inventory", "report", "retokenize", "enqueue", "admission",
-         "readers", "store", "redis")
+         "readers", "store", "redis", "budgets")
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
@@ -30,6 +30,7 @@ FLAGS = {
                 "capture_solo_blocks"),
     "overhead": ("overhead_tasks", "overhead_inflight"),
     "redis": ("redis_tasks", "redis_workers", "redis_inflight"),
+    "budgets": ("budgets_max_tokens", "budgets_budgets", "budgets_fleets", "budgets_prompts", "budgets_model_examples"),
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
     "report": ("report_records", "repeats"),
     "retokenize": ("retok_answers", "retok_mean", "retok_batch", "repeats"),
@@ -90,6 +91,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--redis-tasks", type=int, default=1000)
     g.add_argument("--redis-workers", type=_ints, default=[1, 8], help="worker processes (comma-separated runs)")
     g.add_argument("--redis-inflight", type=int, default=32, help="each worker's requests in flight")
+    g = p.add_argument_group("budgets", "stored tokens against each budget, on a real fleet (issue 41)")
+    g.add_argument("--budgets-max-tokens", type=_ints, default=[512, 16_384, 32_768], help="max_tokens (comma-separated)")
+    g.add_argument("--budgets-budgets", type=_ints, default=[2400, 5000, 50_000], help="budgets (comma-separated)")
+    g.add_argument("--budgets-fleets", type=_ints, default=[2, 8],
+                   help="worker processes, half GPU and half cloud (comma-separated)")
+    g.add_argument("--budgets-prompts", type=int, default=1500, help="prompts a dataset")
+    g.add_argument("--budgets-model-examples", type=int, default=1000, help="examples of the model test (0: skip)")
     g = p.add_argument_group("inventory")
     g.add_argument("--inventory-b3", type=_size, default=(1746, 3288.0), help="RESPONSES:MEAN_TOKENS, the seed's B3")
     g.add_argument("--inventory-large", type=_size, default=(100_000, 300.0), help="RESPONSES:MEAN_TOKENS")
@@ -153,6 +161,10 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
         return overhead.run(folder, tasks=args.overhead_tasks, inflight=args.overhead_inflight)
     if name == "redis":
         return redis_cost.run(folder, tasks=args.redis_tasks, workers=args.redis_workers, inflight=args.redis_inflight)
+    if name == "budgets":
+        return budgets.run(folder, max_tokens=args.budgets_max_tokens, budgets=args.budgets_budgets,
+                           fleets=args.budgets_fleets, prompts=args.budgets_prompts,
+                           model_examples=args.budgets_model_examples)
     if name == "inventory":
         sizes = [("b3", *args.inventory_b3), ("large", *args.inventory_large)]
         return inventory.run(folder, sizes=sizes, repeats=args.repeats)

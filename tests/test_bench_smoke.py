@@ -16,6 +16,8 @@ SMALLEST = {
     "report": ["--report-records", "50:20", "--repeats", "1"],
     "retokenize": ["--retok-answers", "20", "--retok-mean", "30", "--retok-batch", "8", "--repeats", "1"],
     "admission": ["--admission-inflight", "10", "--admission-rounds", "20"],
+    "budgets": ["--budgets-max-tokens", "64", "--budgets-budgets", "600", "--budgets-fleets", "2", "--budgets-prompts",
+                "40", "--budgets-model-examples", "5"],
     "readers": ["--readers-rows", "50", "--repeats", "1"],
     "overhead": ["--overhead-tasks", "40", "--overhead-inflight", "4"],
     "store": ["--store-records", "40", "--store-tokens", "20", "--store-blobs", "1", "--store-listed", "1100",
