@@ -426,7 +426,7 @@ def test_store_gives_up_by_requeueing_and_says_why(tmp_path, monkeypatch, caplog
     events = Counter()
     rt = SimpleNamespace(store=open_store(tmp_path), ledger=SimpleNamespace(event=lambda d, name: events.update([name])))
     with pytest.raises(Reject) as exc:
-        tasks._store(rt, _record("ef" * 32))
+        tasks._store(rt, _record("ef" * 32), "edge@test:1:0")
     assert exc.value.requeue and "No space left on device" in str(exc.value.reason)
     assert events["retry:store_error"] == tasks.STORE_ATTEMPTS
     assert "No space left on device" in caplog.text and not list(tmp_path.rglob("*.json"))

@@ -105,9 +105,9 @@ def test_a_conversation_a_twin_stored_first_is_not_charged_again(conversation_wo
     tasks, rt, task, run, emu = conversation_worker
     real = rt.store.put
 
-    def twin_first(record):
+    def twin_first(record, **kw):
         real(msgspec.structs.replace(record, worker="twin@test"))
-        return real(record)
+        return real(record, **kw)
 
     monkeypatch.setattr(rt.store, "put", twin_first)
     assert run(task) == "duplicate"

@@ -339,6 +339,30 @@ def lose_first_answer(method: str, part: str):
     return change
 
 
+def lose_then_refuse(part: str, refused: int):
+    """The first PUT whose path holds ``part`` reaches the server and its answer is lost; the next
+    ``refused`` ones never reach it (the connection closes before anything is forwarded), so
+    botocore's retries give up; later ones are forwarded. ``seen`` lists what each PUT met."""
+    seen: list[str] = []
+
+    def change(m, path, headers, body, send):
+        if m != "PUT" or part not in path:
+            return send(m, path, headers, body)
+        seen.append("lost" if not seen else "refused" if len(seen) <= refused else "sent")
+        if seen[-1] == "refused":
+            return None
+        answer = send(m, path, headers, body)
+        return None if seen[-1] == "lost" else answer
+
+    change.seen = seen
+    return change
+
+
+def botocore_attempts(store: ObjectStore) -> int:
+    """How many tries botocore gives one request (the first and its retries)."""
+    return store.bucket.client().meta.config.retries["total_max_attempts"]
+
+
 def _check_then_write(method, path, headers, body, send):
     """If-None-Match as a server without an atomic create does it: look, then write."""
     if method != "PUT" or not any(k.lower() == "if-none-match" for k in headers):
@@ -425,6 +449,26 @@ def test_a_record_stored_whose_answer_was_lost_is_this_writers(s3_env):
         store.prepare()
         assert store.put(_record(key, text="mine"))
         assert lose.lost == [f"/{bucket}/x/ds/ab/{key}.json"]
+        assert not store.put(_record(key, text="twin"))
+    assert store.get("ds", key).text == "mine"
+
+
+def test_a_writer_whose_retries_were_refused_finds_its_own_write_on_its_next_call(s3_env):
+    """The record's PUT is stored, its answer lost, and botocore's retries never reach the server:
+    the call fails. The caller's next call with the same ``writer`` gets 412 and finds its own token
+    on the object (True, stored once); another writer's call is a twin's (False), as is one with none."""
+    bucket = s3_env.bucket()
+    key = "ef" * 32
+    with _Proxy(s3_env, _drop("nothing")) as proxy:
+        store = ObjectStore(f"s3://{bucket}/x", StoreS3Section(endpoint=proxy.endpoint))
+        store.prepare()
+        fault = lose_then_refuse(f"/ds/{key[:2]}/{key}.json", botocore_attempts(store) - 1)
+        proxy.change = fault
+        with pytest.raises(StoreError):
+            store.put(_record(key, text="mine"), writer="task-a")
+        assert fault.seen == ["lost"] + ["refused"] * (botocore_attempts(store) - 1)
+        assert store.put(_record(key, text="mine"), writer="task-a")
+        assert not store.put(_record(key, text="twin"), writer="task-b")
         assert not store.put(_record(key, text="twin"))
     assert store.get("ds", key).text == "mine"
 

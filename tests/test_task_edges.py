@@ -48,10 +48,11 @@ def fleet(tmp_path, redis_server, tokenizer_dir, target_tokenizer, emulator_fact
     backend = CloudChat("cloudy", cfg.cloud("cloudy"), target_tokenizer, KEY_ENV["DRAFTFLEET_TEST_KEY"])
     made = []
 
-    def runtime(broker_url: str = redis_server.url):
+    def runtime(broker_url: str = redis_server.url, store=None):
         app = make_app(broker_url, 3600)
         tasks.register(app)
-        rt = tasks.Runtime(app, cfg, open_store(cfg), redis_server.client(), backend, "edge@test", ["ds"], 1.0)
+        rt = tasks.Runtime(app, cfg, store or open_store(cfg), redis_server.client(), backend, "edge@test", ["ds"],
+                           1.0)
         tasks.install(rt)
         made.append(rt)
         return rt
@@ -262,6 +263,52 @@ def test_the_losing_twins_generation_is_counted_in_spend(fleet):
     assert ensure_counters(fleet.store, fleet.r, wait=False) and ensure_counters(fleet.store, fleet.r, wait=False)
     Reconciler(fleet.store, fleet.r).reconcile_all()
     assert micro_usd(ledger.spend_usd("cloudy")) == 2 * micro_usd(winner.cost_usd)
+
+
+@pytest.mark.parametrize("writer", ["this_task", "a_twin"])
+def test_a_record_whose_answer_was_lost_is_stored_by_its_task_not_a_twin(fleet, s3_env, writer):
+    """In a bucket (SeaweedFS behind a proxy), the record's PUT is stored and its answer lost, and
+    botocore's retries never reach the server: ``put`` fails, and the worker's own retry calls it
+    again. The object carries this task's token, so it is the task's: stored, counted once, no
+    ``twin_stored`` charge. A twin's record stored first is still a twin's: charged, counted once."""
+    from draftfleet.store.bucket import ObjectStore
+    from draftfleet.schemas.config import StoreS3Section
+
+    from .test_s3_store import _Proxy, _drop, botocore_attempts, lose_then_refuse
+
+    task = fleet.prompt(7, tag=writer)
+    bucket = s3_env.bucket()
+    with _Proxy(s3_env, _drop("nothing")) as proxy:
+        store = ObjectStore(f"s3://{bucket}/x", StoreS3Section(endpoint=proxy.endpoint))
+        store.prepare()
+        rt = fleet.runtime(store=store)
+        refused = botocore_attempts(store) - 1
+        fault = lose_then_refuse(f"/ds/{task.key[:2]}/{task.key}.json", refused)
+        if writer == "a_twin":  # another task of the key stores its record just before ours is sent
+            real = fault
+
+            def fault(m, path, headers, body, send):
+                if m == "PUT" and not real.seen and f"/{task.key}.json" in path:
+                    assert ObjectStore(f"s3://{bucket}/x").put(_record(task.key, text="twin's"))
+                return real(m, path, headers, body, send)
+
+            fault.seen = real.seen
+        proxy.change = fault
+        outcome = fleet.run(rt, task)
+        seen = list(fault.seen)
+    ledger = Ledger(fleet.r)
+    wait_until(lambda: ledger.dataset_totals("ds")["responses"] == 1, 10, 0.05, "the record counted")
+    assert ledger.events("ds")["retry:store_error"] == 1  # the worker's own retry of put, after botocore's
+    charges = store.charges()
+    if writer == "this_task":
+        assert seen == ["lost"] + ["refused"] * refused + ["sent"]
+        assert outcome == "stored" and store.get("ds", task.key).worker == "edge@test"
+        assert charges == [] and list(store.bucket.list(store.object_name("_charges", ""))) == []
+    else:
+        assert outcome == "duplicate" and store.get("ds", task.key).text == "twin's"
+        (charge,) = charges
+        assert (charge.reason, charge.key) == ("twin_stored", task.key)
+    assert ledger.dataset_totals("ds")["responses"] == 1
 
 
 # -- failure records of finished prompts -----------------------------------------------------

@@ -165,11 +165,13 @@ def _generate(rt: Runtime, task: PromptTask, reasons: list[str],
     return None, rt.cfg.fleet.max_attempts, time.monotonic() - started
 
 
-def _store(rt: Runtime, record: ResponseRecord) -> bool:
-    """Write the record, retrying while the store is unwritable; never acknowledge an unstored result."""
+def _store(rt: Runtime, record: ResponseRecord, token: str) -> bool:
+    """Write the record, retrying while the store is unwritable; never acknowledge an unstored result.
+    Every try writes as the task (``token``, its claim's): a try whose write was stored though its
+    answer was lost (and every retry of it refused) is found as this task's own by the next, not a twin's."""
     for attempt in range(1, STORE_ATTEMPTS + 1):
         try:
-            return rt.store.put(record)
+            return rt.store.put(record, writer=token)
         except StoreError as exc:
             rt.ledger.event(record.dataset, "retry:store_error")
             log.error("cannot store %s/%s (attempt %d/%d): %s", record.dataset, record.key, attempt, STORE_ATTEMPTS, exc)
@@ -354,7 +356,7 @@ def execute(task_self, payload: object) -> str:
             if gen is None:
                 return "failed"
             record = single_record(task, _turn(rt, gen, attempts, latency, reasons))
-        stored = _store(rt, record)
+        stored = _store(rt, record, token)
         if record.turns:
             rt.store.clear_progress(task.dataset, task.key)
         if not stored:

@@ -89,8 +89,11 @@ class Store(ABC):
     def _create(self, dataset: str, key: str, data: bytes) -> bool:
         """Store a record's bytes unless the key has one: True if this call stored them."""
 
-    def put(self, record: ResponseRecord) -> bool:
+    def put(self, record: ResponseRecord, *, writer: str | None = None) -> bool:
         """Write ``record`` once. True if this call stored it, False if the key already had one.
+        ``writer``: the writing task's token, the same on each of its calls, so that a bucket tells
+        a stored write whose answer was lost (retried by any layer) from a twin's (``ObjectStore``);
+        a folder's write cannot lose its answer and ignores it.
 
         Storing a result clears the key's failure record: the prompt is finished."""
         check_name(record.dataset)

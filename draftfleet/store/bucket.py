@@ -4,9 +4,10 @@ The layout under the prefix is the file store's (draftfleet/store/folder.py), an
 each by one S3 request:
 
 - a record is written once by ``PutObject`` with ``If-None-Match: *``: 412 means another writer
-  won (a lost ``link``), unless the object carries this write's own token (``Bucket.put``: its
-  answer was lost, and botocore's retry was refused); 409 means a write of the same key was under
-  way: try again. That PUT is all a record costs (a twin's, one HEAD more);
+  won (a lost ``link``), unless the object carries this writer's own token (``Bucket.put``: its
+  answer was lost, and a retry was refused: botocore's, or the worker's own call again, which
+  passes the task's token, kept its whole life); 409 means a write of the same key was under way:
+  try again. That PUT is all a record costs (a twin's, one HEAD more);
 - a manifest is replaced by ``If-Match: <the ETag it was read with>``: an enqueue that read an
   older one is refused instead of overwriting what another enqueue wrote meanwhile;
 - failures and progress are replaced whole (a PUT is atomic), and deleted when done;
@@ -98,8 +99,10 @@ class ObjectStore(Store):
                     raise
                 time.sleep(0.05 * 2**attempt)
 
-    def create_object(self, key: str, data: bytes) -> bool:
-        writer = secrets.token_hex(16)  # one for every try of this write
+    def create_object(self, key: str, data: bytes, writer: str | None = None) -> bool:
+        """Store ``data`` at ``key`` unless something is there: True if stored by ``writer`` (a
+        caller's token, the same on each of its calls; by default one for every try of this call)."""
+        writer = writer or secrets.token_hex(16)
         try:
             self.retry_conflict(lambda: self.bucket.put(key, data, if_none_match=True, writer=writer))
         except S3Error as exc:
@@ -257,13 +260,15 @@ class ObjectStore(Store):
     def _create(self, dataset: str, key: str, data: bytes) -> bool:
         return self.create_object(self._record_key(dataset, key), data)
 
-    def put(self, record: ResponseRecord) -> bool:
+    def put(self, record: ResponseRecord, *, writer: str | None = None) -> bool:
         """Write ``record`` once: the conditional PUT and nothing more. The key's failure record is
         left (a DELETE for every record was half of its requests and client CPU, bench store):
-        ``failures`` never lists a key with a result, and the reconciler removes it."""
+        ``failures`` never lists a key with a result, and the reconciler removes it. ``writer`` (the
+        task's token) goes on the object as a digest: the token itself stays the task's."""
         check_name(record.dataset)
         check_key(record.key)
-        return self._create(record.dataset, record.key, encoder.encode(record))
+        token = hashlib.sha256(writer.encode()).hexdigest()[:32] if writer else None
+        return self.create_object(self._record_key(record.dataset, record.key), encoder.encode(record), token)
 
     def set_aside(self, dataset: str, key: str) -> str | None:
         """Copy the record to ``_unreadable/``, then delete it only if it is still the object copied

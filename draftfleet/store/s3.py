@@ -205,8 +205,9 @@ class Bucket:
             writer: str | None = None) -> str:
         """Store ``data`` at ``key``: its new ETag. ``if_none_match``: only if nothing is there;
         ``if_match``: only if the object still has that ETag (412 ``S3Error`` otherwise). ``writer``:
-        a token unique to this write, the same on each try of it (409's too), stored with the object
-        so that a 412 answering a retry of this very write is told from another writer's."""
+        a token unique to the writer, the same on each try of its write (botocore's, 409's, the
+        caller's own), stored with the object so that a 412 answering a retry of a write that was
+        stored is told from another writer's."""
         cond = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match} if if_match else {}
         meta = {"Metadata": {WRITER: writer}} if writer else {}
         try:
