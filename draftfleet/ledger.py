@@ -53,7 +53,8 @@ import redis
 
 from draftfleet import redis_keys as rk
 from draftfleet.ledger_scripts import (ADMIT, BUDGET_FIELDS, CHARGE, CLAIM_ADMIT, COUNT_BATCH, COUNT_ONCE, BURY_DEAD,
-                                       LEASE, LEASE_RETURN, PREPAY, PURGE, REBUILD_PAID, RELEASE, RESTORE, SETTLE_DEAD)
+                                       LEASE, LEASE_RETURN, PREPAY, PURGE, REBUILD_PAID, RELEASE, RESTORE, SETTLE_DEAD,
+                                       SPEND_HOLD, SPEND_LOSE, SPEND_RELEASE)
 from draftfleet.schemas.config import BudgetRule
 from draftfleet.schemas.records import ChargeRecord, ResponseRecord
 
@@ -93,6 +94,17 @@ class Admission(msgspec.Struct, frozen=True):
     granted: int = 0
     budget: str = ""
     buried: int = 0  # WAIT: reservations whose claim is gone, held until the store is counted (settle_dead)
+
+
+class SpendHold(msgspec.Struct, frozen=True):
+    """The most one paid request can cost, held against its backend's spend cap while it runs
+    (:meth:`Ledger.spend_hold`): its id, the claim token it is held under, the micro-USD held, and
+    the max_tokens it may be asked with (less than the task's near the cap)."""
+
+    id: str
+    token: str
+    micro_usd: int
+    max_tokens: int
 
 
 class BudgetUse(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,6 +160,9 @@ class Ledger:
         self._release = client.register_script(RELEASE)
         self._bury_dead = client.register_script(BURY_DEAD)
         self._settle_dead = client.register_script(SETTLE_DEAD)
+        self._spend_hold = client.register_script(SPEND_HOLD)
+        self._spend_release = client.register_script(SPEND_RELEASE)
+        self._spend_lose = client.register_script(SPEND_LOSE)
         self._prepay = client.register_script(PREPAY)
         self._rebuild_paid = client.register_script(REBUILD_PAID)
         self._charge = client.register_script(CHARGE)
@@ -254,6 +269,44 @@ class Ledger:
         (``Store.put_charge``), so that the spend rebuilt after Redis lost it holds it too. (A
         conversation's turns are added as they are paid: :meth:`prepay`.) Whether it was new."""
         return bool(self._charge(keys=[rk.CHARGED, rk.spend(charge.backend)], args=[charge.id, micro_usd(charge.cost_usd)]))
+
+    # -- spend caps ------------------------------------------------------------------------
+    def spend_hold(self, backend: str, dataset: str, key: str, turn: int | None, token: str, prompt_micro: float,
+                   out_micro_per_token: float, max_tokens: int, cap_usd: float) -> tuple[int, SpendHold | None]:
+        """Hold the most a paid request can cost against ``backend``'s cap, as admission reserves a
+        budget: ``prompt_micro`` (its prompt's worst case) + ``out_micro_per_token`` x ``max_tokens``,
+        or, within 1% of the cap, the max_tokens that fit. (ADMITTED, the hold), or (WAIT | REFUSED |
+        LOST, None): what is in flight may cost less; the cap is reached; the counters are not the
+        store's. The hold is released once the request's cost is in the spend
+        (:meth:`spend_release`); a dead task's is charged at what it held (the reconciler)."""
+        hold_id = f"{dataset}:{key}:{'-' if turn is None else turn}:{time.time_ns()}"
+        cap = micro_usd(cap_usd)
+        out = self._spend_hold(keys=[rk.spend(backend), rk.spend_held(backend), rk.spend_held_sum(backend),
+                                     rk.COUNTERS_BUILT],
+                               args=[hold_id, token, repr(float(prompt_micro)), repr(float(out_micro_per_token)),
+                                     max_tokens, cap, max(1, cap // FLOOR_FRACTION)])
+        verdict = int(out[0])
+        return verdict, SpendHold(hold_id, token, int(out[2]), int(out[1])) if verdict == ADMITTED else None
+
+    def spend_release(self, backend: str, hold: SpendHold) -> bool:
+        return bool(self._spend_release(keys=[rk.spend_held(backend), rk.spend_held_sum(backend)],
+                                        args=[hold.id, hold.token]))
+
+    def spend_holds(self, backend: str) -> dict[str, tuple[int, str]]:
+        """Every hold of ``backend``: id -> (micro-USD, claim token)."""
+        out = {}
+        for k, v in self.r.hgetall(rk.spend_held(backend)).items():
+            micro, _, token = v.decode().partition(":")
+            out[k.decode()] = (int(micro), token)
+        return out
+
+    def spend_held_usd(self, backend: str) -> float:
+        return int(self.r.hget(rk.spend_held_sum(backend), "r") or 0) / 1_000_000
+
+    def spend_lose(self, backend: str, charge_id: str, hold_id: str, token: str, micro: int) -> bool:
+        """A dead task's hold into the spend as the charge ``charge_id`` (kept in the store first)."""
+        return bool(self._spend_lose(keys=[rk.CHARGED, rk.spend(backend), rk.spend_held(backend),
+                                           rk.spend_held_sum(backend)], args=[charge_id, micro, hold_id, token]))
 
     def counters_built(self) -> bool:
         """Whether the counters were rebuilt from the store since Redis last lost its data

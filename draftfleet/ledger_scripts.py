@@ -444,6 +444,61 @@ if not shrink(KEYS[1], KEYS[2], KEYS[3], ARGV[1], v, tonumber(ARGV[2]), ARGV[4],
 return 1
 """
 
+# A spend cap, by the budget's rule in dollars: before a paid request, hold the most it can cost (its
+# prompt's worst case, ARGV[3] micro-USD, plus ARGV[4] micro-USD per output token x its max_tokens
+# ARGV[5]); admitted while spent + held + that fit in the cap ARGV[6]; where less is left but at
+# least the floor ARGV[7], with the max_tokens that fit (the request is asked with it). The hold
+# ARGV[1] belongs to the task's claim token ARGV[2]. KEYS: 1 the backend's spend, 2 its holds,
+# 3 their total, 4 rk.COUNTERS_BUILT. Returns {verdict, max_tokens, micro-USD held}: 1 held, 2 wait
+# (what is in flight may cost less), 0 the cap is reached, -2 the counters are not the store's.
+SPEND_HOLD = """
+if redis.call('EXISTS', KEYS[4]) == 0 then return {-2, 0, 0} end
+local spent = tonumber(redis.call('HGET', KEYS[1], 'cost_micro_usd') or '0')
+local held = tonumber(redis.call('HGET', KEYS[3], 'r') or '0')
+local room = tonumber(ARGV[6]) - spent - held
+local pin, per, want = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local tokens = want
+if pin + per * want > room then
+  tokens = 0
+  if per > 0 then tokens = math.floor((room - pin) / per) end
+  if room < tonumber(ARGV[7]) or tokens < 1 then
+    if held > 0 then return {2, 0, 0} end
+    return {0, 0, 0}
+  end
+end
+local hold = math.ceil(pin + per * tokens)
+redis.call('HSET', KEYS[2], ARGV[1], hold .. ':' .. ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'r', hold)
+return {1, tokens, hold}
+"""
+
+# A hold let go, once the request's cost is in the spend (counted, charged or prepaid) or it was
+# never billed: only under its own token. KEYS: holds, their total; ARGV: hold id, token.
+SPEND_RELEASE = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if not v then return 0 end
+local c, tok = string.match(v, '^(%d+):(.*)$')
+if tok ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+if redis.call('HINCRBY', KEYS[2], 'r', -tonumber(c)) <= 0 then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+
+# The hold of a request whose task died with its cost unknown (the reconciler, after it kept the
+# charge in the store): the held amount into the spend once, by the charge's id, and the hold gone,
+# in one step, so spent + held never drops. KEYS: rk.CHARGED, spend, holds, their total; ARGV:
+# charge id, micro-USD, hold id, token.
+SPEND_LOSE = """
+local v = redis.call('HGET', KEYS[3], ARGV[3])
+if not v then return 0 end
+local c, tok = string.match(v, '^(%d+):(.*)$')
+if tok ~= ARGV[4] then return 0 end
+if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then redis.call('HINCRBY', KEYS[2], 'cost_micro_usd', ARGV[2]) end
+redis.call('HDEL', KEYS[3], ARGV[3])
+if redis.call('HINCRBY', KEYS[4], 'r', -tonumber(c)) <= 0 then redis.call('DEL', KEYS[4]) end
+return 1
+"""
+
 # A charge (a paid generation no record carries) into its backend's spend once, by its id.
 CHARGE = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end

@@ -20,6 +20,7 @@ next ``enqueue`` sends its prompt again.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -33,8 +34,9 @@ import msgspec
 import redis
 
 from draftfleet import redis_keys as rk
-from draftfleet.ledger import Ledger, micro_usd
+from draftfleet.ledger import Ledger, SpendHold, micro_usd
 from draftfleet.queues import lost_claims_settle_s
+from draftfleet.schemas.records import ChargeRecord
 from draftfleet.store import Store
 
 FIELDS = ("responses", "prompt_tokens", "completion_tokens", "cost_micro_usd")
@@ -258,7 +260,40 @@ class Reconciler:
         self.store.abort_stale_uploads()
         drifts = [self.reconcile(d) for d in (datasets or self.store.datasets())]
         self.count_charges()
+        self.settle_spend_holds()
         return drifts
+
+    def settle_spend_holds(self) -> int:
+        """The spend holds of dead tasks (their claim gone; ledger.py, spend caps): where the cost
+        is in the spend (the key counted, the turn prepaid) the hold just goes; else the request may
+        have been billed, for at most what it held, so that is kept as a charge (``lost_in_flight``)
+        and counted, in one step with the hold's removal: spent + held never drops. Run after the
+        datasets' pass, which counted what the dead tasks stored. How many holds went."""
+        prefix = rk.spend_held("")
+        n = 0
+        for name in self.r.scan_iter(match=rk.spend_held("*"), count=500):
+            backend = name.decode()[len(prefix):]
+            for hold_id, (micro, token) in self.ledger.spend_holds(backend).items():
+                dataset, key, turn, ns = hold_id.rsplit(":", 3)
+                if self.r.get(rk.claim(dataset, key)) == token.encode():
+                    continue  # its task runs
+                paid = self.r.sismember(rk.counted_set(dataset), key) or (
+                    turn != "-" and self.r.hexists(rk.prepaid(dataset, key), turn))
+                hold = SpendHold(hold_id, token, micro, 0)
+                if paid:
+                    n += self.ledger.spend_release(backend, hold)
+                    continue
+                charge = ChargeRecord(
+                    id=f"{int(ns):020d}-{hashlib.sha256(f'{hold_id}:{token}'.encode()).hexdigest()[:12]}",
+                    backend=backend, cost_usd=micro / 1_000_000, dataset=dataset, key=key, reason="lost_in_flight",
+                    worker=rk.claim_holder(token),
+                    at=int(ns) / 1e9)
+                self.store.put_charge(charge)
+                if self.ledger.spend_lose(backend, charge.id, hold_id, token, micro):
+                    n += 1
+                    log.warning("%s: a request of a dead task (%s %s) may have been billed: counted at the $%.4f "
+                                "it held against the spend cap", backend, dataset, key[:12], micro / 1e6)
+        return n
 
     def count_charges(self) -> int:
         """Count into the spend every kept charge not counted yet (once, by its id); how many."""

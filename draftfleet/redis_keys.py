@@ -132,6 +132,17 @@ def spend(backend: str) -> str:
     return f"{PREFIX}spend:{backend}"
 
 
+def spend_held(backend: str) -> str:
+    """Hash hold id (``<dataset>:<key>:<turn>:<ns>``) -> ``micro_usd:claim token``: the most each
+    request in flight on a capped backend can cost (ledger.py, spend holds)."""
+    return f"{PREFIX}spend_held:{backend}"
+
+
+def spend_held_sum(backend: str) -> str:
+    """Hash (field ``r``) of the micro-USD held by a backend's requests in flight."""
+    return f"{PREFIX}spend_held_sum:{backend}"
+
+
 def prepaid(dataset: str, key: str) -> str:
     """Hash turn index -> completion tokens of a conversation's turns paid before its record is
     counted (ledger.py): each is in ``spend`` and in its dataset's ``paid_tokens`` (``dataset_totals``)

@@ -33,7 +33,8 @@ def test_the_demo_tells_the_story_and_keeps_the_store(tmp_path):
     assert inventory["instruct"]["responses"] == 40 and not inventory["instruct"]["closed"]
     chat = inventory["chat"]
     assert chat["closed"] and chat["responses"] < 40  # closed at its budget, the rest skipped
-    assert CHAT_BUDGET * 0.85 <= chat["completion_tokens"] <= CHAT_BUDGET * 1.1
+    # the budget's rule (issue 41): never above, and less than 1% below (the floor: 24 of 2,400)
+    assert CHAT_BUDGET * 0.99 < chat["completion_tokens"] <= CHAT_BUDGET, chat["completion_tokens"]
     for p in report["plan"]:  # draftfleet plan's, before the pivot: the GPU's time, the cloud's price
         assert p["state"] == "open" and p["remaining_tokens"] > 0, p
         sides = {side["kind"]: side for side in p["sides"]}

@@ -22,7 +22,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
 from draftfleet.claims import CLAIM_TTL_S, Claims
 from draftfleet.identity import task_problem
-from draftfleet.ledger import ADMITTED, CLAIMED, Admission, Ledger, publish_value
+from draftfleet.ledger import ADMITTED, CLAIMED, LOST, WAIT, Admission, Ledger, SpendHold, publish_value
 from draftfleet.reconcile import Reconciler, ensure_counters
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import ChargeRecord, GenerationSettings, PromptTask, ResponseRecord, WorkerReport
@@ -36,6 +36,15 @@ log = logging.getLogger("draftfleet.worker")
 ASSIGNMENT_POLL_S = 1.0
 ADMISSION_WAIT_S = 1.0
 IDLE_QUEUE = rk.QUEUE_PREFIX + "_idle"
+
+
+def worst_prompt_tokens(task: PromptTask) -> int:
+    """The most tokens any tokenizer can make of ``task``'s prompt: its bytes (a byte-level BPE
+    never makes more tokens than bytes), plus a chat template's allowance per message and for the
+    generation prompt."""
+    texts = [m.content or "" for m in task.messages] + [getattr(m, "reasoning", None) or "" for m in task.messages]
+    system = task.settings.system_prompt or ""
+    return sum(len(t.encode()) for t in (*texts, system)) + 16 * (len(task.messages) + 2)
 
 
 SETTLE_EVERY_S = 10  # a worker's own pass over the store for buried reservations, at most this often a dataset
@@ -326,6 +335,48 @@ class Runtime:
                               key=task.key, reason=reason, worker=self.hostname, at=time.time())
         self.store.put_charge(charge)
         self.ledger.charge(charge)
+
+    def hold_spend(self, task: PromptTask, sent: PromptTask, token: str, turn: int | None) -> SpendHold | None:
+        """Before a paid request on a capped backend whose prices are configured: hold the most it
+        can cost (``Ledger.spend_hold``), so that requests in flight can never take the spend past
+        the cap; near the cap the hold's max_tokens is less than ``sent``'s (the request is asked
+        with it). None where nothing is held: no cap, or no prices to bound a request by (then the
+        spend is checked before it, :meth:`check_spend`). Raises ``Halt`` as check_spend does, and
+        while what is in flight may still come in cheaper (paused until it has)."""
+        if self.spend_cap is None:
+            return None
+        prices = self.cfg.clouds[self.backend.name]
+        if not (prices.price_input_per_mtok or prices.price_output_per_mtok):
+            self.check_spend()
+            return None
+        # $/Mtok is micro-USD per token. A prompt is never more tokens than its bytes (byte-level
+        # BPE) plus its template's few per message: the provider's own count cannot pass that.
+        prompt = worst_prompt_tokens(sent) * prices.price_input_per_mtok
+        name = self.backend.name
+        verdict, hold = self.ledger.spend_hold(name, task.dataset, task.key, turn, token, prompt,
+                                               prices.price_output_per_mtok, sent.settings.max_tokens, self.spend_cap)
+        if verdict == LOST and self.counters_known():
+            verdict, hold = self.ledger.spend_hold(name, task.dataset, task.key, turn, token, prompt,
+                                                   prices.price_output_per_mtok, sent.settings.max_tokens, self.spend_cap)
+        if verdict == ADMITTED:
+            return hold
+        if verdict == LOST:
+            raise Halt("counters_rebuilding", "Redis lost the spend counters; another process is rebuilding "
+                       "them from the store", ready=self.ledger.counters_built)
+        spent = self.ledger.spend_usd(name)
+        if verdict == WAIT:
+            raise Halt("spend_cap_in_flight", f"{name} has spent ${spent:.2f} of its max_spend_usd "
+                       f"${self.spend_cap:.2f}, ${self.ledger.spend_held_usd(name):.2f} more held by requests in "
+                       "flight: waiting for them, which may cost less than they can",
+                       ready=lambda: self.ledger.spend_held_usd(name) == 0)
+        raise Halt("spend_cap", f"{name} has spent ${spent:.2f} of its max_spend_usd ${self.spend_cap:.2f} "
+                   "(less than 1% of it left): raise it in the config to go on")
+
+    def release_spend(self, holds: list[SpendHold]) -> None:
+        """Let go of ``holds`` once their requests' costs are in the spend (or were never billed)."""
+        while holds:
+            self.ledger.spend_release(self.backend.name, holds[-1])
+            holds.pop()
 
     def check_spend(self) -> None:
         """A cloud backend stops at its spend cap; the queue keeps what is left. A spend Redis lost

@@ -108,20 +108,42 @@ def _fail(rt: Runtime, task: PromptTask, reason: str, detail: str, attempts: int
     return "failed"
 
 
-def _ask(rt: Runtime, task: PromptTask, asked: PromptTask | None) -> Generation:
+class Spending:
+    """What a task's paid requests hold against its backend's spend cap (``Runtime.hold_spend``):
+    each hold is let go once its request's cost is in the spend (its record counted, its turn
+    prepaid, its charge kept), never before; a task that ends otherwise leaves them to the
+    reconciler, which charges a dead task's holds at what they held."""
+
+    def __init__(self, token: str):
+        self.token = token
+        self.turn: int | None = None  # the conversation's turn being asked (None: a single answer)
+        self.holds: list = []
+
+
+def _ask(rt: Runtime, task: PromptTask, asked: PromptTask | None, spending: Spending | None = None) -> Generation:
     """One attempt. An answer billed but unusable (empty, not re-tokenizable) goes to the spend
-    before its error is handled: no record will carry its cost."""
+    before its error is handled: no record will carry its cost. On a capped backend the request
+    holds the most it can cost first, and near the cap is asked with the max_tokens that fit."""
+    sent = asked or task
+    hold = rt.hold_spend(task, sent, spending.token, spending.turn) if spending is not None else None
+    if hold is not None and hold.max_tokens < sent.settings.max_tokens:
+        sent = _asked(sent, hold.max_tokens)
     try:
-        return rt.backend.generate(asked or task)
+        gen = rt.backend.generate(sent)
     except BackendError as exc:
         if exc.paid_usd:
             rt.charge(task, rt.backend.name, exc.paid_usd, exc.reason)
             rt.ledger.event(task.dataset, f"paid_unused:{exc.reason}")
+        if hold is not None:  # its cost, if any, is in the spend now
+            rt.release_spend([hold])
         raise
+    if hold is not None:
+        spending.holds.append(hold)
+    return gen
 
 
-def _generate(rt: Runtime, task: PromptTask, reasons: list[str],
-              asked: PromptTask | None = None) -> tuple[Generation | None, int, float]:
+def _generate(rt: Runtime, task: PromptTask, reasons: list[str], asked: PromptTask | None = None,
+              spending: Spending | None = None) -> tuple[Generation | None, int, float]:
     """Run the backend with retries (their reasons appended to ``reasons``) on ``asked`` (a
     conversation's turn: the task with its history), else on ``task``, which failures name.
 
@@ -134,8 +156,9 @@ def _generate(rt: Runtime, task: PromptTask, reasons: list[str],
             raise Reject(f"worker paused: {rt.paused}", requeue=True)
         t0 = time.monotonic()
         try:
-            rt.check_spend()
-            return _ask(rt, task, asked), attempt, time.monotonic() - t0
+            if spending is None:
+                rt.check_spend()
+            return _ask(rt, task, asked, spending), attempt, time.monotonic() - t0
         except Halt as exc:
             rt.pause(exc.reason, str(exc), ready=exc.ready)
             raise Reject(exc.reason, requeue=True) from None
@@ -206,6 +229,8 @@ def _admit(rt: Runtime, task: PromptTask, token: str, turns_left: int = 1,
     if verdict == ADMITTED:
         return min(want, admission.granted or want)
     if verdict == WAIT:
+        if admission.buried:  # some of what is in flight is dead tasks': count the store, free the rest
+            rt.settle_buried(task.dataset)
         rt.hold(task.dataset)
         raise Reject(f"{task.dataset}: admission waits for what is in flight", requeue=True)
     if verdict == REFUSED:
@@ -248,7 +273,7 @@ def _turn(rt: Runtime, gen: Generation, attempts: int, latency: float, reasons: 
 
 
 def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: float,
-                  granted: int) -> ResponseRecord | None:
+                  granted: int, spending: Spending | None = None) -> ResponseRecord | None:
     """Answer a conversation's user turns in order, each asked with the history of the fleet's own
     answers (``draftfleet.conversation``); None if a turn failed. ``granted``: the tokens admission
     reserved for the turns left; each turn is asked with at most what is left of it, so the
@@ -281,14 +306,18 @@ def _conversation(rt: Runtime, task: PromptTask, done: list[Turn], held_since: f
                      task.dataset, task.source, len(done) + 1, len(parts), len(done))
             raise Reject("conversation handed back before the visibility timeout", requeue=True)
         reasons: list[str] = []
+        if spending is not None:
+            spending.turn = len(done)
         gen, attempts, latency = _generate(rt, task, reasons, _asked(msgspec.structs.replace(
-            task, messages=history(task.messages, done)), granted))
+            task, messages=history(task.messages, done)), granted), spending)
         asked += 1
         if gen is None:
             return None
         granted -= len(gen.output_ids)
         try:
             rt.ledger.prepay(task.dataset, task.key, len(done), rt.backend.name, gen.cost_usd, len(gen.output_ids))
+            if spending is not None:  # the turn's cost is in the spend: its hold goes
+                rt.release_spend(spending.holds)
         except redis.RedisError as exc:  # left unmarked, the turn counts when its record is (or the reconciler marks it)
             log.warning("%s %s: turn %d not counted as paid yet: %s", task.dataset, task.source, len(done) + 1, exc)
         turn = _turn(rt, gen, attempts, latency, reasons)
@@ -346,13 +375,14 @@ def execute(task_self, payload: object) -> str:
             log.warning("%s %s: the budget stops the conversation after %d of %d turns: its turns are kept, to go "
                         "on when the budget is raised", task.dataset, task.source, len(done), turns)
             return "stopped"
+        spending = Spending(token) if rt.spend_cap is not None else None
         if task.settings.turns == "all":
-            record = _conversation(rt, task, done, held_since, granted)
+            record = _conversation(rt, task, done, held_since, granted, spending)
             if record is None:
                 return "failed"
         else:
             reasons: list[str] = []
-            gen, attempts, latency = _generate(rt, task, reasons, _asked(task, granted))
+            gen, attempts, latency = _generate(rt, task, reasons, _asked(task, granted), spending)
             if gen is None:
                 return "failed"
             record = single_record(task, _turn(rt, gen, attempts, latency, reasons))
@@ -364,6 +394,8 @@ def execute(task_self, payload: object) -> str:
             # conversation's turns are in the spend already: added as they were paid).
             if not record.turns:
                 rt.charge(task, record.backend, record.cost_usd, "twin_stored")
+            if spending is not None:  # its cost is in the spend (charged, or its turns prepaid)
+                rt.release_spend(spending.holds)
             return _count_existing(rt, task, set_aside=False) or "duplicate"
         if record.turns:
             rt.ledger.count(record)
@@ -376,6 +408,8 @@ def execute(task_self, payload: object) -> str:
                 uncertain = True
                 raise
             handed = True
+        if spending is not None:  # a paid answer is counted at once (tally.py): its cost is in the spend
+            rt.release_spend(spending.holds)
         log.info("stored %s %s: %d tokens from %s in %.2fs (%s, attempt %d%s)", task.dataset, task.source,
                  record.completion_tokens, record.backend, record.latency_s, record.finish_reason, record.attempts,
                  f", {len(record.turns)} turns" if record.turns else "")
