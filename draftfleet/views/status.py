@@ -79,6 +79,7 @@ class SpendRow(msgspec.Struct, kw_only=True):
     backend: str
     spent_usd: float
     cap_usd: float | None
+    held_usd: float = 0.0  # held by the requests in flight against the cap (their most)
 
 
 class CaptureRow(msgspec.Struct, kw_only=True):
@@ -162,8 +163,8 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
             eta_s=plan.eta_s, stalled=plan.stalled, backends=backends, retries=sum(v for k, v in events.items() if k.startswith("retry:")),
             failures=sum(v for k, v in events.items() if k.startswith("failed:")),
         ))
-    spend = [SpendRow(backend=name, spent_usd=ledger.spend_usd(name), cap_usd=cb.max_spend_usd)
-             for name, cb in sorted(cfg.clouds.items())]
+    spend = [SpendRow(backend=name, spent_usd=ledger.spend_usd(name), cap_usd=cb.max_spend_usd,
+                      held_usd=ledger.spend_held_usd(name)) for name, cb in sorted(cfg.clouds.items())]
     return Snapshot(at=now, workers=workers, datasets=rows, spend=spend,
                     capture=capture_rows(r, [n for n, _ in chosen], {d.dataset: d.remaining_tokens for d in rows}),
                     plans=plans, counters_built=ledger.counters_built(), redis=redis_load(r))
@@ -273,9 +274,10 @@ def render(snap: Snapshot) -> Group:
         for b in d.backends:
             bt.add_row(f"  {b.backend}", _n(b.responses), _n(b.completion_tokens), _n(b.tps_1m), _n(b.tps_10m),
                        _usd(b.cost_usd), "", "")
-    st = _table("cloud spend", [("backend", False), ("spent $", True), ("cap $", True)])
+    st = _table("cloud spend", [("backend", False), ("spent $", True), ("held in flight $", True), ("cap $", True)])
     for s in snap.spend:
-        st.add_row(s.backend, _usd(s.spent_usd), _usd(s.cap_usd) if s.cap_usd is not None else "-")
+        st.add_row(s.backend, _usd(s.spent_usd), _usd(s.held_usd) if s.cap_usd is not None else "-",
+                   _usd(s.cap_usd) if s.cap_usd is not None else "-")
     plan = Group(Text("plan: to finish each dataset (draftfleet plan)", style="italic"), render_plans(snap.plans))
     if snap.redis is not None:
         load = snap.redis
