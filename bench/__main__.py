@@ -15,12 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import (admission, budgets, capture, enqueue, html_report, inventory, overhead, readers, redis_cost, report,
+from . import (admission, batch, budgets, capture, enqueue, html_report, inventory, overhead, readers, redis_cost, report,
                retokenize, saturation, store, vllm)
 from .env import REPO, Section, fresh_dir, machine
 
 NAMES = ("saturation", "vllm", "capture", "overhead", "inventory", "report", "retokenize", "enqueue", "admission",
-         "readers", "store", "redis", "budgets")
+         "readers", "store", "redis", "budgets", "batch")
 # The flags that shape each benchmark, so that each section can print the command that reruns it.
 FLAGS = {
     "saturation": ("concurrency", "warmup", "window", "single_stream_tps", "ceiling_tps", "length"),
@@ -30,6 +30,7 @@ FLAGS = {
                 "capture_solo_blocks"),
     "overhead": ("overhead_tasks", "overhead_inflight"),
     "redis": ("redis_tasks", "redis_workers", "redis_inflight"),
+    "batch": ("batch_prompts", "batch_size", "batch_shapes"),
     "budgets": ("budgets_max_tokens", "budgets_budgets", "budgets_fleets", "budgets_prompts", "budgets_model_examples"),
     "inventory": ("inventory_b3", "inventory_large", "repeats"),
     "report": ("report_records", "repeats"),
@@ -44,6 +45,10 @@ FLAGS = {
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _names(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
 
 
 def _size(text: str) -> tuple[int, float]:
@@ -98,6 +103,11 @@ def parser() -> argparse.ArgumentParser:
                    help="worker processes, half GPU and half cloud (comma-separated)")
     g.add_argument("--budgets-prompts", type=int, default=1500, help="prompts a dataset")
     g.add_argument("--budgets-model-examples", type=int, default=1000, help="examples of the model test (0: skip)")
+    g = p.add_argument_group("batch", "worker batch (a provider's batch API) against worker cloud, same prompts")
+    g.add_argument("--batch-prompts", type=int, default=400, help="prompts finished by each path")
+    g.add_argument("--batch-size", type=int, default=100, help="requests per batch")
+    g.add_argument("--batch-shapes", type=_names, default=["openai", "openrouter"],
+                   help="batch wire shapes, each a run (comma-separated: openai, openrouter)")
     g = p.add_argument_group("inventory")
     g.add_argument("--inventory-b3", type=_size, default=(1746, 3288.0), help="RESPONSES:MEAN_TOKENS, the seed's B3")
     g.add_argument("--inventory-large", type=_size, default=(100_000, 300.0), help="RESPONSES:MEAN_TOKENS")
@@ -165,6 +175,8 @@ def run_one(name: str, args: argparse.Namespace, work: Path) -> Section:
         return budgets.run(folder, max_tokens=args.budgets_max_tokens, budgets=args.budgets_budgets,
                            fleets=args.budgets_fleets, prompts=args.budgets_prompts,
                            model_examples=args.budgets_model_examples)
+    if name == "batch":
+        return batch.run(folder, prompts=args.batch_prompts, batch_size=args.batch_size, shapes=args.batch_shapes)
     if name == "inventory":
         sizes = [("b3", *args.inventory_b3), ("large", *args.inventory_large)]
         return inventory.run(folder, sizes=sizes, repeats=args.repeats)

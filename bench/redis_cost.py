@@ -9,6 +9,10 @@ divided by the results stored. Commands run inside a Lua script count as calls o
 Redis counts them (they are what the script costs); the scripts' own calls are in EVALSHA, whose µs include theirs. The CPU figure is
 redis-server's own (``INFO cpu``, user + system) over the same span. The
 dataset has a budget far above what it spends, so admission runs for every task as in production.
+
+A last scenario measures ``draftfleet worker cloud`` the same way: one worker on a priced backend
+with a spend cap far above what it spends (every paid request holds its worst cost first, as in
+production), against an emulator that answers at once at the same prices (bench/batch.py's setup).
 """
 
 from __future__ import annotations
@@ -87,20 +91,56 @@ def _cpu(r) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+# The cloud scenario: one ``worker cloud`` on a priced backend with a spend cap far above its spend.
+CLOUD_BACKEND, CLOUD_KEY_ENV, CLOUD_KEY = "cloudy", "DRAFTFLEET_BENCH_KEY", "bench-key-32"
+CLOUD_PRICES = (1.0, 2.0)  # $/Mtok in and out, the emulator's and the config's alike
+CLOUD_CAP_USD = 10.0**6
+
+
+def cloud_emulator(folder: Path) -> EmulatorProcess:
+    """An emulator that answers at once and bills at :data:`CLOUD_PRICES` (its key in ``CLOUD_KEY_ENV``)."""
+    os.environ[CLOUD_KEY_ENV] = CLOUD_KEY  # the emulator's --api-key-env reads it
+    return EmulatorProcess(folder, time_scale=0, length="uniform:20:60", price_input_per_mtok=CLOUD_PRICES[0],
+                           price_output_per_mtok=CLOUD_PRICES[1], api_key_env=CLOUD_KEY_ENV)
+
+
+def _cloud_config(folder: Path, prompts: Path, emu_url: str, inflight: int, budget: bool) -> Path:
+    """A fleet.toml with one cloud backend on the emulator: priced, capped far above its spend."""
+    from .env import TOKENIZER
+
+    model = "bench/chatml-600"
+    lines = ["[fleet]", f'store = "{folder / "store"}"', f'model = "{model}"', f'tokenizer = "{TOKENIZER}"', "",
+             "[[datasets]]", f'name = "{DATASET}"', f'path = "{prompts}"', "max_tokens = 64"]
+    if budget:
+        lines.append(f"budget_tokens = {10**12}")
+    lines += ["", f"[backends.{CLOUD_BACKEND}]", f'base_url = "{emu_url}/v1"', f'model = "{model}"',
+              f'api_key_env = "{CLOUD_KEY_ENV}"', f"concurrency = {inflight}",
+              f"price_input_per_mtok = {CLOUD_PRICES[0]}", f"price_output_per_mtok = {CLOUD_PRICES[1]}",
+              f"max_spend_usd = {CLOUD_CAP_USD}", "request_timeout_s = 60.0", "pause_s = 5.0", ""]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "fleet.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
 def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path, workers: int,
-          inflight: int, monitor: bool = False, budget: bool = True, bucket: tuple[str, CountingProxy] | None = None
-          ) -> dict:
+          inflight: int, monitor: bool = False, budget: bool = True, bucket: tuple[str, CountingProxy] | None = None,
+          cloud: bool = False) -> dict:
     """Queue every prompt, reset Redis's statistics, let ``workers`` processes drain the queue
-    (``monitor``: with the commands counted by origin, see :class:`Monitor`; ``budget``: the
-    dataset has one, far above what it spends, so admission runs for every task; ``bucket``: the
-    store is that ``s3://`` location, which the workers reach through the counting proxy)."""
+    (``monitor``: with the commands counted by origin, see :class:`Monitor`, and by script; ``budget``:
+    the dataset has one, far above what it spends, so admission runs for every task; ``bucket``: the
+    store is that ``s3://`` location, which the workers reach through the counting proxy; ``cloud``:
+    ``worker cloud`` processes on a priced, capped backend, ``emu`` being :func:`cloud_emulator`)."""
     fresh_dir(folder)
     r = redis.client()
     r.flushall()
     dataset = {"name": DATASET, "path": str(prompts), "max_tokens": 64}
     if budget:
         dataset["budget_tokens"] = 10**12
-    config = write_config(folder, [dataset], emulator_url=emu.url, inflight=inflight)
+    if cloud:
+        config = _cloud_config(folder, prompts, emu.url, inflight, budget)
+    else:
+        config = write_config(folder, [dataset], emulator_url=emu.url, inflight=inflight)
     env = {}
     if bucket is not None:
         location, proxy = bucket
@@ -112,9 +152,17 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
     n = enqueue_dataset(cfg, cfg.dataset(DATASET), app, r, store).queued
     app.close()
     assign(r, DATASET, set())  # drained until every worker is up: none starts before the counting does
-    mon = Monitor(redis.client()) if monitor else None  # on before the reset it counts from
-    procs = [WorkerProcess(folder, config, redis.url, "--url", emu.url, "--inflight", str(inflight), env=env)
-             for _ in range(workers)]
+    if monitor:  # on before the reset it counts from
+        from .batch import ScriptMonitor  # (bench/batch.py imports this module)
+
+        mon = ScriptMonitor(redis.client())
+    else:
+        mon = None
+    if cloud:
+        kind, args, env = "cloud", ("--backend", CLOUD_BACKEND), {CLOUD_KEY_ENV: CLOUD_KEY}
+    else:
+        kind, args = "gpu", ("--url", emu.url, "--inflight", str(inflight))
+    procs = [WorkerProcess(folder, config, redis.url, *args, kind=kind, env=env) for _ in range(workers)]
     for p in procs:
         p.__enter__()
     try:
@@ -124,12 +172,13 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
         r.config_resetstat()
         if bucket is not None:
             bucket[1].reset()
-        assign(r, DATASET, {"gpu"})  # every worker takes the queue on its next poll of the assignment
+        assign(r, DATASET, {kind})  # every worker takes the queue on its next poll of the assignment
         cpu0 = _cpu(r)
         early = len(store.keys(DATASET))  # (none: the dataset was drained until now)
         start = time.perf_counter()
         wait_for(lambda: len(store.keys(DATASET)) >= n, 900, f"{n} results (worker logs in {folder})", 0.2)
         # what the last tasks still do after their record is stored (count, release, ack)
+        # (and a lease's claim, which goes back within workers/leases.py's LEASE_S)
         wait_for(lambda: not r.keys("draftfleet:claim:*"), 60, "the claims released", 0.1)
         wall = time.perf_counter() - start
         cpu = _cpu(r) - cpu0
@@ -143,8 +192,18 @@ def drain(folder: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path
             p.stop()
     for name in OWN:
         stats.pop(name, None)
-    return {"n": max(1, n - early), "wall_s": wall, "stats": stats, "cpu_s": cpu,
-            "origin": dict(mon.calls) if mon is not None else None, "bucket": requests}
+    out = {"n": max(1, n - early), "wall_s": wall, "stats": stats, "cpu_s": cpu,
+           "origin": dict(mon.calls) if mon is not None else None, "bucket": requests,
+           "scripts": dict(mon.scripts) if mon is not None else None,
+           "inner": dict(mon.inner) if mon is not None else None}
+    if cloud:
+        from draftfleet.ledger import Ledger
+
+        ledger = Ledger(r)
+        out["spend_usd"] = ledger.spend_usd(CLOUD_BACKEND)
+        out["held_usd"] = ledger.spend_held_usd(CLOUD_BACKEND)
+        out["cost_sum"] = sum(rec.cost_usd for rec in store.records(DATASET))
+    return out
 
 
 def bucket_requests(work: Path, redis: PrivateRedis, emu: EmulatorProcess, prompts: Path, inflight: int) -> dict:
@@ -219,20 +278,34 @@ def scripts(redis: PrivateRedis, n: int = 2000) -> list[tuple[str, float]]:
 
 
 SCENARIOS = (("no budget", False), ("budget", True))
+CLOUD = "cloud, capped"  # one ``worker cloud``, a spend cap and a budget far above the spend
 
 
-def run(work: Path, *, tasks: int, workers: list[int], inflight: int) -> Section:
+def run(work: Path, *, tasks: int, workers: list[int], inflight: int, cloud: bool = True) -> Section:
     prompts = write_prompts(work / "prompts.jsonl", tasks, tag="rc")
     runs = [(label, budget, w) for label, budget in SCENARIOS for w in workers]
+    if cloud:
+        runs.append((CLOUD, True, 1))
     results: dict[tuple, dict] = {}
     origins: dict[tuple, dict] = {}
-    with PrivateRedis(work / "redis") as redis, EmulatorProcess(work, time_scale=0, length="uniform:20:60") as emu:
+    by_script: dict[tuple, dict] = {}
+    with (PrivateRedis(work / "redis") as redis, EmulatorProcess(work, time_scale=0, length="uniform:20:60") as emu,
+          cloud_emulator(work / "cloud-emulator") as cloud_emu):
+        def one(folder: str, label: str, budget: bool, w: int, monitor: bool) -> dict:
+            on_cloud = label == CLOUD
+            return drain(work / folder, redis, cloud_emu if on_cloud else emu, prompts, w, inflight,
+                         monitor=monitor, budget=budget, cloud=on_cloud)
+
         for label, budget, w in runs:
-            results[label, w] = drain(work / f"w{w}{budget}", redis, emu, prompts, w, inflight, budget=budget)
+            results[label, w] = one(f"w{w}{budget}{label == CLOUD}", label, budget, w, False)
         for label, budget, w in runs:  # again with MONITOR on: the commands by origin (its CPU is not the figures')
-            seen = drain(work / f"m{w}{budget}", redis, emu, prompts, w, inflight, monitor=True, budget=budget)
+            seen = one(f"m{w}{budget}{label == CLOUD}", label, budget, w, True)
+            n = max(1, seen["n"])
             origins[label, w] = {o: sum(v for (origin, _), v in seen["origin"].items() if origin == o)
-                                 / max(1, seen["n"]) for o in ("client", "lua")}
+                                 / n for o in ("client", "lua")}
+            by_script[label, w] = {k: (c / n, seen["inner"].get(k, 0) / n) for k, c in seen["scripts"].items()}
+            if label == CLOUD:
+                results[label, w]["spend"] = (seen["spend_usd"], seen["cost_sum"], seen["held_usd"])
         alone = scripts(redis)
         on_bucket = bucket_requests(work, redis, emu, prompts, inflight)
     cols = [(label, w) for label, _, w in runs]
@@ -273,6 +346,20 @@ def run(work: Path, *, tasks: int, workers: list[int], inflight: int) -> Section
                               reference_value=CALLS_GOAL,
                               ratio=ratio(origins[c]["client"], CALLS_GOAL, higher_is_better=False), headline=False))
     total = sum(on_bucket.values())
+    details += ["", "The scripts per stored result: calls (client round trips) and, in brackets, the commands run "
+                "inside them (MONITOR pass):", "", "| script | " + " | ".join(name[c] for c in cols) + " |",
+                "| --- |" + " ---: |" * len(cols)]
+    for script in sorted({k for c in cols for k in by_script[c]}, key=lambda k: -by_script[last].get(k, (0, 0))[1]):
+        details.append(f"| `{script}` | " + " | ".join(
+            (f"{by_script[c][script][0]:.2f} ({by_script[c][script][1]:.1f})" if script in by_script[c] else "–")
+            for c in cols) + " |")
+    if cloud:
+        spent, billed, held = results[CLOUD, 1]["spend"]
+        details += ["", f"The cloud scenario: one `draftfleet worker cloud` ({inflight} requests in flight) on a backend "
+                    f"priced at ${CLOUD_PRICES[0]:g}/${CLOUD_PRICES[1]:g} per Mtok with max_spend_usd far above its "
+                    "spend (every paid request holds its worst cost first, `SPEND_HOLD`), against an emulator that "
+                    f"answers at once at the same prices; the budget as above. Its MONITOR pass's spend: "
+                    f"${spent:.6f} in the ledger for ${billed:.6f} in the stored records, ${held:.6f} still held."]
     figures.append(Figure(bench="redis", name="Bucket requests per stored result, budget, 1 worker", value=total,
                           unit="requests", reference="issue 32's bound (2)", reference_value=2,
                           ratio=ratio(total, 2, higher_is_better=False), headline=False))

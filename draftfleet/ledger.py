@@ -52,9 +52,9 @@ import msgspec
 import redis
 
 from draftfleet import redis_keys as rk
-from draftfleet.ledger_scripts import (ADMIT, BUDGET_FIELDS, CHARGE, CLAIM_ADMIT, COUNT_BATCH, COUNT_ONCE, BURY_DEAD,
+from draftfleet.ledger_scripts import (ADMIT, BATCH_HOLD, BATCH_TAKE, BATCH_UNHOLD, BUDGET_FIELDS, CHARGE, CLAIM_ADMIT, COUNT_BATCH, COUNT_ONCE, BURY_DEAD,
                                        LEASE, LEASE_RETURN, PREPAY, PURGE, REBUILD_PAID, RELEASE, RESTORE, SETTLE_DEAD,
-                                       SPEND_HOLD, SPEND_LOSE, SPEND_RELEASE)
+                                       SPEND_HOLD, SPEND_LOSE, SPEND_REHOLD, SPEND_RELEASE)
 from draftfleet.schemas.config import BudgetRule
 from draftfleet.schemas.records import ChargeRecord, ResponseRecord
 
@@ -171,9 +171,14 @@ class Ledger:
         self._count_batch = client.register_script(COUNT_BATCH)
         self._lease = client.register_script(LEASE)
         self._lease_return = client.register_script(LEASE_RETURN)
+        self._batch_hold = client.register_script(BATCH_HOLD)
+        self._batch_take = client.register_script(BATCH_TAKE)
+        self._batch_unhold = client.register_script(BATCH_UNHOLD)
+        self._spend_rehold = client.register_script(SPEND_REHOLD)
 
     # -- counting --------------------------------------------------------------------------
-    def count(self, record: ResponseRecord, now: float | None = None, *, rate: bool = True) -> bool:
+    def count(self, record: ResponseRecord, now: float | None = None, *, rate: bool = True,
+              batch_held: bool = False) -> bool:
         """Add a stored record to the totals (and free its reservation); False if already counted.
 
         A conversation's turns go to the spend of the backend that paid each, except those
@@ -185,6 +190,10 @@ class Ledger:
         backend's speed (the 10-second rate buckets, and its busy time: the union of its requests'
         intervals, ``busy_ms`` over ``busy_tokens`` in its totals). Records brought in by
         ``import`` or counted late by the reconciler are no backend's rate: ``rate=False``.
+
+        ``batch_held``: a provider batch's answer, whose prompt holds its granted tokens in
+        ``paid_tokens`` (:meth:`batch_hold`): the count moves them to the totals as it does a
+        conversation's paid turns, and its cost goes to the spend.
         """
         bucket = int((now or time.time()) // RATE_BUCKET_S)
         end_ms = int(record.created_at * 1000) if rate else 0
@@ -192,6 +201,10 @@ class Ledger:
         turns = getattr(record, "turns", None) or []
         conversation = [rk.prepaid(record.dataset, record.key), rk.paid_keys(record.dataset),
                         *(rk.spend(t.backend) for t in turns)] if turns else []
+        costs = [micro_usd(t.cost_usd) for t in turns]
+        if batch_held and not turns:  # the mark is "b", not a turn's: the cost is added as a turn's unmarked one
+            conversation = [rk.prepaid(record.dataset, record.key), rk.paid_keys(record.dataset), rk.spend(record.backend)]
+            costs = [micro_usd(record.cost_usd)]
         added = self._count(
             keys=[rk.counted_set(record.dataset), rk.totals(record.dataset, record.backend), rk.spend(record.backend),
                   rk.dataset_totals(record.dataset), rk.reservations(record.dataset),
@@ -199,37 +212,49 @@ class Ledger:
                   *conversation],
             args=[record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd), RATE_KEEP_S,
                   int(getattr(record, "latency_s", 0.0) * 1000), end_ms, start_ms,
-                  int(getattr(record, "cost_source", "none") == "provider"), *(micro_usd(t.cost_usd) for t in turns)],
+                  # a batch answer's cost is the batch price: not the backend's measured sync price
+                  int(getattr(record, "cost_source", "none") == "provider" and not getattr(record, "batch_id", None)),
+                  *costs],
         )
         return bool(added)
 
-    def count_batch(self, results: list[tuple[ResponseRecord, str]] | list[tuple[ResponseRecord, str, str, int]],
-                    now: float | None = None) -> int:
+    def count_batch(self, results: list[tuple[ResponseRecord, str]] | list[tuple[ResponseRecord, str, str, int]]
+                    | list[tuple[ResponseRecord, str, str, int, list[SpendHold]]], now: float | None = None) -> int:
         """Count many stored single-answer records in one step (``COUNT_BATCH``), each as
         :meth:`count` with ``rate=True`` does, and release each one's claim under its token:
-        ``results`` is (record, claim token[, lease name, the lease's cap a slot]) in the order they
-        were stored, all of one backend; a record admitted under a lease takes its slot out of it.
-        How many were newly counted. The counters are written once per batch and dataset, not
-        once per record: what a stored result costs the shared Redis (issue 32)."""
+        ``results`` is (record, claim token[, lease name ('' for none), the lease's cap a slot[, its
+        spend holds]]) in the order they were stored, all of one backend; a record admitted under a
+        lease takes its slot out of it, and a paid one's spend holds (:meth:`spend_hold`) go in the
+        same step as its cost enters the spend (each once, only under its own token: as
+        :meth:`spend_release`, never before the cost is in). How many were newly counted. The
+        counters are written once per batch and dataset, not once per record: what a stored result
+        costs the shared Redis (issue 32)."""
         if not results:
             return 0
         backend = results[0][0].backend
         bucket = int((now or time.time()) // RATE_BUCKET_S)
         groups: dict[str, list] = {}
-        for record, token, *lease in results:
+        held = False
+        for record, token, *rest in results:
             if record.backend != backend or getattr(record, "turns", None):
                 raise ValueError("count_batch takes single answers of one backend")
-            lease_name, slot = lease if lease else ("", 0)
+            lease_name, slot = (rest[0], rest[1]) if len(rest) >= 2 else ("", 0)
+            holds = rest[2] if len(rest) >= 3 else ()
             end_ms = int(record.created_at * 1000)
-            groups.setdefault(record.dataset, []).append([
-                record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd),
-                int(record.latency_s * 1000), end_ms, end_ms - int(record.latency_s * 1000),
-                int(record.cost_source == "provider"), token, int(record.truncated), lease_name, slot])
+            rec = [record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd),
+                   int(record.latency_s * 1000), end_ms, end_ms - int(record.latency_s * 1000),
+                   int(record.cost_source == "provider"), token, int(record.truncated), lease_name or "", slot or 0]
+            if holds:
+                rec.append([[h.id, h.token] for h in holds])
+                held = True
+            groups.setdefault(record.dataset, []).append(rec)
         keys = [rk.spend(backend)]
         for dataset in groups:
             keys += [rk.counted_set(dataset), rk.totals(dataset, backend), rk.dataset_totals(dataset),
                      rk.reservations(dataset), *self._reservation_index(dataset), rk.rate(dataset, backend, bucket),
                      rk.events(dataset)]
+        if held:
+            keys += [rk.spend_held(backend), rk.spend_held_sum(backend)]
         body = msgspec.json.encode([[rk.claim(d, ""), recs, rk.lease_taken_prefix(d)] for d, recs in groups.items()])
         return int(self._count_batch(keys=keys, args=[RATE_KEEP_S, body]))
 
@@ -252,6 +277,32 @@ class Ledger:
             args=[turn, micro_usd(cost_usd), tokens, key, int(paid_now)],
         ))
 
+    def batch_hold(self, dataset: str, key: str, tokens: int) -> bool:
+        """Hold ``tokens`` of the budget for a prompt submitted in a provider batch, as a paid turn
+        is held (``paid_tokens``, its mark "b"; its share ``batch_held`` is what admission waits on as
+        in flight): no claim keeps it, so no worker's death, lapse or lease frees it; counting its answer moves it to the totals (``count(batch_held=True)``),
+        :meth:`batch_unhold` gives it back. Made again from the store after Redis lost it."""
+        return bool(self._batch_hold(
+            keys=[rk.counted_set(dataset), rk.prepaid(dataset, key), rk.dataset_totals(dataset), rk.paid_keys(dataset)],
+            args=[key, tokens]))
+
+    def batch_take(self, dataset: str, key: str, tokens: int, token: str, reserved: bool) -> bool:
+        """:meth:`batch_hold`, then the reservation the claim ``token`` took settled (``reserved``) and
+        the claim let go, in one round trip: a batched prompt's grant passes from its claim to its batch."""
+        return bool(self._batch_take(
+            keys=[rk.counted_set(dataset), rk.prepaid(dataset, key), rk.dataset_totals(dataset), rk.paid_keys(dataset),
+                  rk.reservations(dataset), *self._reservation_index(dataset), rk.claim(dataset, key)],
+            args=[key, tokens, token, int(reserved)]))
+
+    def batch_unhold(self, dataset: str, key: str) -> bool:
+        return bool(self._batch_unhold(keys=[rk.prepaid(dataset, key), rk.dataset_totals(dataset), rk.paid_keys(dataset)],
+                                       args=[key]))
+
+    def spend_rehold(self, backend: str, hold_id: str, token: str, micro: int) -> bool:
+        """A batch request's hold made again as its record in the store has it (Redis lost it)."""
+        return bool(self._spend_rehold(keys=[rk.spend_held(backend), rk.spend_held_sum(backend)],
+                                       args=[hold_id, micro, token]))
+
     def rebuild_paid(self, dataset: str) -> int:
         """Set ``paid_tokens`` to the sum of the marks of conversations not counted (dropping the
         marks of counted ones); the correction made."""
@@ -260,7 +311,7 @@ class Ledger:
 
     def paid_marks(self, dataset: str, key: str) -> set[int]:
         """The turns of a conversation marked as paid."""
-        return {int(t) for t in self.r.hkeys(rk.prepaid(dataset, key))}
+        return {int(t) for t in self.r.hkeys(rk.prepaid(dataset, key)) if t.isdigit()}  # "b": a batch's hold
 
     def charge(self, charge: ChargeRecord) -> bool:
         """Add a generation no stored record carries (a twin stored the key first, or an answer
@@ -272,14 +323,15 @@ class Ledger:
 
     # -- spend caps ------------------------------------------------------------------------
     def spend_hold(self, backend: str, dataset: str, key: str, turn: int | None, token: str, prompt_micro: float,
-                   out_micro_per_token: float, max_tokens: int, cap_usd: float) -> tuple[int, SpendHold | None]:
+                   out_micro_per_token: float, max_tokens: int, cap_usd: float,
+                   hold_id: str | None = None) -> tuple[int, SpendHold | None]:
         """Hold the most a paid request can cost against ``backend``'s cap, as admission reserves a
         budget: ``prompt_micro`` (its prompt's worst case) + ``out_micro_per_token`` x ``max_tokens``,
         or, within 1% of the cap, the max_tokens that fit. (ADMITTED, the hold), or (WAIT | REFUSED |
         LOST, None): what is in flight may cost less; the cap is reached; the counters are not the
         store's. The hold is released once the request's cost is in the spend
         (:meth:`spend_release`); a dead task's is charged at what it held (the reconciler)."""
-        hold_id = f"{dataset}:{key}:{'-' if turn is None else turn}:{time.time_ns()}"
+        hold_id = hold_id or f"{dataset}:{key}:{'-' if turn is None else turn}:{time.time_ns()}"
         cap = micro_usd(cap_usd)
         out = self._spend_hold(keys=[rk.spend(backend), rk.spend_held(backend), rk.spend_held_sum(backend),
                                      rk.COUNTERS_BUILT],
@@ -327,7 +379,8 @@ class Ledger:
         answers of the next prompt, a new conversation's turns)."""
         t = self.dataset_totals(dataset)
         stored, paid = (t.get(f, 0) for f in BUDGET_FIELDS)
-        return budget_use(budget, stored, paid, max_tokens * turns, rule)
+        # what open provider batches hold is in flight, not spent (it may come back short)
+        return budget_use(budget, stored, paid - t.get("batch_held", 0), max_tokens * turns, rule)
 
     def _admission_keys(self, dataset: str) -> list[str]:
         return [rk.dataset_totals(dataset), rk.reservations(dataset), rk.closed(dataset),

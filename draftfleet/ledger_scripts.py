@@ -106,6 +106,8 @@ if #KEYS > 8 then  -- the conversation's paid turns are in its record's count no
   local paid = 0
   for _, v in ipairs(redis.call('HVALS', KEYS[9])) do paid = paid + tonumber(v) end
   if paid ~= 0 then redis.call('HINCRBY', KEYS[4], 'paid_tokens', -paid) end
+  local held = redis.call('HGET', KEYS[9], 'b')  -- a provider batch's hold (BATCH_HOLD)
+  if held then redis.call('HINCRBY', KEYS[4], 'batch_held', -tonumber(held)) end
   redis.call('DEL', KEYS[9])
   redis.call('SREM', KEYS[10], ARGV[1])
 end
@@ -119,13 +121,19 @@ return added
 # result's claim released in the same step. Single answers only (a conversation's turns go through
 # COUNT_ONCE, for its paid marks).
 # KEYS[1] = the backend's spend; then 8 keys per dataset: counted set, totals(dataset, backend),
-# dataset totals, reservations, due index, reserved total, the rate bucket, events.
+# dataset totals, reservations, due index, reserved total, the rate bucket, events; then, when a
+# record has spend holds, the backend's holds and their total (SPEND_HOLD's KEYS[2], KEYS[3]).
 # ARGV[1] = RATE_KEEP_S; ARGV[2] = cjson, per dataset: {claim key prefix, records, lease-taken
 # prefix}, each record [key, prompt, completion, micro_usd, latency_ms, end_ms, start_ms, provider
-# (0/1), claim token, truncated (0/1), lease ('' when admitted alone), the lease's cap a slot], in
-# the order they were stored (the busy-time union runs in that order).
+# (0/1), claim token, truncated (0/1), lease ('' when admitted alone), the lease's cap a slot,
+# optionally its spend holds [[hold id, token], ...]], in the order they were stored (the busy-time
+# union runs in that order).
 # A result's slot leaves its lease once however often the batch runs (a reply lost, the batch sent
-# again): the lease's set of keys taken out says which already left.
+# again): the lease's set of keys taken out says which already left. A paid result's spend holds
+# (its request's worst cost, held against the backend's cap) go in the same step as its cost enters
+# the spend, or, for a key counted before (a lost reply, the reconciler's pass), once it is counted:
+# each only under its own token and once (a hold gone is not found again), so spent + held never
+# drops below what was billed and a batch sent again frees nothing twice.
 # Returns how many records were newly counted.
 COUNT_BATCH = SETTLE + """
 local groups = cjson.decode(ARGV[2])
@@ -236,6 +244,33 @@ for g, grp in ipairs(groups) do
   if #mine > 0 then redis.call('DEL', unpack(mine)) end
 end
 redis.call('HINCRBY', KEYS[1], 'cost_micro_usd', spend)
+-- every key of the batch is counted now, its cost in the spend: its spend holds go (SPEND_RELEASE's rule)
+local hk = 2 + #groups * 8
+if #KEYS >= hk + 1 then
+  local ids, toks, seen = {}, {}, {}
+  for _, grp in ipairs(groups) do
+    for _, r in ipairs(grp[2]) do
+      if type(r[13]) == 'table' then
+        for _, h in ipairs(r[13]) do
+          if not seen[h[1]] then seen[h[1]] = true ids[#ids + 1] = h[1] toks[#toks + 1] = h[2] end
+        end
+      end
+    end
+  end
+  if #ids > 0 then
+    local gone, freed = {}, 0
+    for i, v in ipairs(redis.call('HMGET', KEYS[hk], unpack(ids))) do
+      if v then
+        local c, tok = string.match(v, '^(%d+):(.*)$')
+        if c and tok == toks[i] then gone[#gone + 1] = ids[i] freed = freed + tonumber(c) end
+      end
+    end
+    if #gone > 0 then
+      redis.call('HDEL', KEYS[hk], unpack(gone))
+      if redis.call('HINCRBY', KEYS[hk + 1], 'r', -freed) <= 0 then redis.call('DEL', KEYS[hk + 1]) end
+    end
+  end
+end
 return added
 """
 
@@ -255,11 +290,55 @@ if (new == 1 or ARGV[5] == '1') and tonumber(ARGV[2]) ~= 0 then redis.call('HINC
 return new
 """
 
+# A prompt submitted in a provider batch holds its grant against the budget with no claim: the mark
+# "b" on the key's marks (as a paid turn's), in paid_tokens (committed) and in its share of them,
+# batch_held (what admission counts as in flight: it waits on it, never closes on it). Once per key,
+# never for a counted one. KEYS: counted set, the key's marks, dataset totals, paid keys; ARGV: key,
+# tokens.
+BATCH_HOLD = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('HSETNX', KEYS[2], 'b', ARGV[2]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[3], 'paid_tokens', ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'batch_held', ARGV[2])
+redis.call('SADD', KEYS[4], ARGV[1])
+return 1
+"""
+
+# The batch worker's step 2 for one prompt, in one round trip: BATCH_HOLD, then the reservation its
+# claim took settled (ARGV[4] == '1'), then the claim let go (only while it is this task's). KEYS:
+# counted set, the key's marks, dataset totals, paid keys, reservations, due index, reserved total,
+# claim key; ARGV: key, tokens, claim token, whether a reservation was taken.
+BATCH_TAKE = SETTLE + """
+local held = 0
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 and redis.call('HSETNX', KEYS[2], 'b', ARGV[2]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'paid_tokens', ARGV[2])
+  redis.call('HINCRBY', KEYS[3], 'batch_held', ARGV[2])
+  redis.call('SADD', KEYS[4], ARGV[1])
+  held = 1
+end
+if ARGV[4] == '1' then settle(KEYS[5], KEYS[6], KEYS[7], ARGV[1], ARGV[3]) end
+if redis.call('GET', KEYS[8]) == ARGV[3] then redis.call('DEL', KEYS[8]) end
+return held
+"""
+
+# A provider batch's prompt gives back what it held against the budget (it went back to its queue,
+# or failed): the mark "b" PREPAY set and its tokens out of paid_tokens, once. KEYS: the key's marks,
+# dataset totals, paid keys; ARGV: key.
+BATCH_UNHOLD = """
+local v = redis.call('HGET', KEYS[1], 'b')
+if not v then return 0 end
+redis.call('HDEL', KEYS[1], 'b')
+redis.call('HINCRBY', KEYS[2], 'paid_tokens', -tonumber(v))
+redis.call('HINCRBY', KEYS[2], 'batch_held', -tonumber(v))
+if redis.call('HLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[3], ARGV[1]) end
+return 1
+"""
+
 # The reconciler's rebuild of paid_tokens: the sum over the marks of keys not counted; the marks
 # of counted keys (a twin marked a turn after the count) are dropped. Atomic: no worker's mark or
 # count can fall between the sum and the write.
 REBUILD_PAID = """
-local total = 0
+local total, held = 0, 0
 for _, k in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local h = ARGV[1] .. k
   if redis.call('SISMEMBER', KEYS[2], k) == 1 or redis.call('EXISTS', h) == 0 then
@@ -267,10 +346,12 @@ for _, k in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     redis.call('SREM', KEYS[1], k)
   else
     for _, v in ipairs(redis.call('HVALS', h)) do total = total + tonumber(v) end
+    held = held + tonumber(redis.call('HGET', h, 'b') or '0')
   end
 end
 local have = tonumber(redis.call('HGET', KEYS[3], 'paid_tokens') or '0')
 if have ~= total then redis.call('HSET', KEYS[3], 'paid_tokens', total) end
+if tonumber(redis.call('HGET', KEYS[3], 'batch_held') or '0') ~= held then redis.call('HSET', KEYS[3], 'batch_held', held) end
 return total - have
 """
 
@@ -387,6 +468,8 @@ if grant == 0 then
   -- what is in flight may come in short: wait for it (and say how much of it is buried: a pass over
   -- the store frees what stored nothing)
   if reserved > 0 then return 2, 0, live or '', redis.call('ZCARD', KEYS[8]) end
+  -- so are the prompts of open provider batches (held in paid_tokens, their share batch_held)
+  if tonumber(redis.call('HGET', KEYS[1], 'batch_held') or '0') > 0 then return 2, 0, live or '', 0 end
   redis.call('SET', KEYS[3], budget)  -- nothing in flight and less than the floor left: full
   return 0, 0, live or ''
 end
@@ -496,6 +579,14 @@ if tok ~= ARGV[4] then return 0 end
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then redis.call('HINCRBY', KEYS[2], 'cost_micro_usd', ARGV[2]) end
 redis.call('HDEL', KEYS[3], ARGV[3])
 if redis.call('HINCRBY', KEYS[4], 'r', -tonumber(c)) <= 0 then redis.call('DEL', KEYS[4]) end
+return 1
+"""
+
+# A hold made again as it was (a provider batch's request, from its record in the store, after Redis
+# lost its holds): no admission, once by its id. KEYS: holds, their total; ARGV: hold id, micro, token.
+SPEND_REHOLD = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2] .. ':' .. ARGV[3]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[2], 'r', ARGV[2])
 return 1
 """
 

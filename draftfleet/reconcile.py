@@ -275,6 +275,10 @@ class Reconciler:
             backend = name.decode()[len(prefix):]
             for hold_id, (micro, token) in self.ledger.spend_holds(backend).items():
                 dataset, key, turn, ns = hold_id.rsplit(":", 3)
+                if token.startswith(rk.BATCH_TOKEN_PREFIX):  # a provider batch's: its batch worker lets it go
+                    if self.r.sismember(rk.counted_set(dataset), key):  # (its cost is in the spend)
+                        n += self.ledger.spend_release(backend, SpendHold(hold_id, token, micro, 0))
+                    continue
                 if self.r.get(rk.claim(dataset, key)) == token.encode():
                     continue  # its task runs
                 paid = self.r.sismember(rk.counted_set(dataset), key) or (
@@ -295,6 +299,20 @@ class Reconciler:
                                 "it held against the spend cap", backend, dataset, key[:12], micro / 1e6)
         return n
 
+    def hold_batches(self) -> int:
+        """Make again what the open provider batches hold (their records in the store): each open
+        prompt's granted tokens against its budget and its worst cost against the spend cap. Redis
+        lost them; the batches still run at the provider. How many prompts."""
+        n = 0
+        for batch in self.store.batches():
+            for q in batch.open_requests():
+                self.ledger.batch_hold(batch.dataset, q.task.key, q.granted)
+                if q.hold_micro_usd:
+                    self.ledger.spend_rehold(batch.backend, rk.batch_hold_id(batch.dataset, q.task.key, batch.id), rk.batch_token(batch.id),
+                                             q.hold_micro_usd)
+                n += 1
+        return n
+
     def count_charges(self) -> int:
         """Count into the spend every kept charge not counted yet (once, by its id); how many."""
         return sum(self.ledger.charge(c) for c in self.store.charges())
@@ -309,6 +327,7 @@ class Reconciler:
         before anything is admitted: the flush loses the work in flight, never the budget."""
         time.sleep(lost_claims_settle_s(self.r))
         stamp = self.r.get(rk.STATE)
+        self.hold_batches()
         drifts = self.reconcile_all()
         self.rebuilt_records = sum(d.newly_counted for d in drifts)
         for dataset in (d.dataset for d in drifts):  # the datasets the pass just listed: not listed again

@@ -150,6 +150,25 @@ def prepaid(dataset: str, key: str) -> str:
     return f"{PREFIX}prepaid:{dataset}:{key}"
 
 
+BATCH_TOKEN_PREFIX = "batch:"
+BATCHES = f"{PREFIX}batches"  # hash batch id -> BatchSummary of the open provider batches (draftfleet/batches.py)
+
+
+def batch_token(batch_id: str) -> str:
+    """The holder a provider batch's spend holds are taken under (no claim: the batch is in the store)."""
+    return BATCH_TOKEN_PREFIX + batch_id
+
+
+def batch_lock(batch_id: str) -> str:
+    """Held while one batch worker polls a provider batch (any worker of its backend may)."""
+    return f"{PREFIX}batch_lock:{batch_id}"
+
+
+def batch_hold_id(dataset: str, key: str, batch_id: str) -> str:
+    """A batch request's spend hold id, in ``spend_held``'s form; the same whenever it is made again."""
+    return f"{dataset}:{key}:-:{int(batch_id[1:21])}"
+
+
 def paid_keys(dataset: str) -> str:
     """Set of the keys that have a ``prepaid`` hash: conversations with paid turns and no counted
     record yet. A closed dataset's purge keeps their tasks, so that each is stopped once (its turns

@@ -172,6 +172,10 @@ class VLLMBackend(EngineBackend, kw_only=True):
     launch: VLLMLaunch | None = None
 
 
+# Requests per batch each wire shape accepts (ops/batch-apis.md).
+BATCH_LIMITS = {"openrouter": 5_000, "openai": 50_000}
+
+
 class CloudBackend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """An OpenAI-compatible chat-completions API (OpenRouter, or any such endpoint)."""
 
@@ -187,6 +191,26 @@ class CloudBackend(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     headers: dict[str, str] = {}
     extra_body: dict[str, object] = {}
     pause_s: float = 300.0
+    # The provider's batch API (``draftfleet worker batch``; ops/batch-apis.md): its wire shape, the
+    # requests per batch (within the provider's limit), the window asked for, and the batch price:
+    # batch_price_factor x the prices above, or prices of its own (the provider's reported cost wins).
+    batch: Literal["openrouter", "openai"] | None = None
+    batch_size: int = 1000
+    completion_window: str = "24h"
+    batch_price_factor: float = 0.5
+    batch_price_input_per_mtok: float | None = None
+    batch_price_output_per_mtok: float | None = None
+    batch_path: str | None = None  # the batches path under base_url (default: /batches)
+    batch_poll_s: float = 30.0  # how often open batches are asked for their status
+    batch_collect_s: float = 5.0  # how long a batch waits for more prompts before it is submitted
+
+    def batch_prices(self) -> tuple[float, float]:
+        """$/Mtok (input, output) at the batch price."""
+        f = self.batch_price_factor
+        return (self.price_input_per_mtok * f if self.batch_price_input_per_mtok is None
+                else self.batch_price_input_per_mtok,
+                self.price_output_per_mtok * f if self.batch_price_output_per_mtok is None
+                else self.batch_price_output_per_mtok)
 
 
 class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -358,6 +382,17 @@ def parse_config(data: dict, path: str = "fleet.toml") -> FleetConfig:
             )
         if cb.concurrency < 1:
             raise ConfigError(f"{path}: backends.{name}.concurrency: must be at least 1")
+        if cb.batch is not None:
+            limit = BATCH_LIMITS[cb.batch]
+            if not 1 <= cb.batch_size <= limit:
+                raise ConfigError(f"{path}: backends.{name}.batch_size: must be within 1..{limit} "
+                                  f"(the {cb.batch} batch API's limit per batch)")
+            if cb.completion_window != "24h":
+                raise ConfigError(f"{path}: backends.{name}.completion_window: the {cb.batch} batch API takes only \"24h\"")
+            if not 0.0 < cb.batch_price_factor <= 1.0:
+                raise ConfigError(f"{path}: backends.{name}.batch_price_factor: must be within (0, 1]")
+            if cb.batch_poll_s <= 0 or cb.batch_collect_s < 0:
+                raise ConfigError(f"{path}: backends.{name}.batch_poll_s must be positive, batch_collect_s not negative")
         clouds[name] = cb
     capture = _convert(data.get("capture", {}), CaptureSection, "capture", path)
     if capture.inflight < 1:

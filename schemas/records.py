@@ -62,6 +62,7 @@ class PromptTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     v: int = SCHEMA_VERSION
     deferrals: int = 0
     row_id: str | None = None  # the row's own id in the dataset (not part of the key)
+    batch_attempts: int = 0  # provider batches it came back from (expired, an error): workers/batch.py
 
 
 class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -147,6 +148,11 @@ class ResponseRecord(Answer, frozen=True, kw_only=True):
     system_prompt_used: bool
     row_id: str | None = None  # the row's own id in the dataset
     turns: list[Turn] = []
+    # the provider batch that made it (``draftfleet worker batch``): its cost is the batch price and its
+    # latency the time since the batch was submitted, so plan and inventory keep it off the sync side's.
+    # Unset (not null) on every other record: absent from its JSON, so records written before it
+    # encode to the same bytes (falsy either way: readers test ``getattr(rec, "batch_id", None)``)
+    batch_id: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,6 +185,76 @@ class ChargeRecord(msgspec.Struct, frozen=True, kw_only=True):
     reason: str  # twin_stored, or the backend's error kind (empty_answer, not_retokenizable...)
     worker: str
     at: float
+
+
+BatchRequestState = Literal["open", "stored", "returned", "failed"]
+
+
+class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One prompt of a provider batch, as the batch worker holds it in the store: the task (so a
+    restart, or a fleet whose Redis was flushed, can store its answer or send it back without the
+    queue), what admission granted it (its max_tokens as sent, held against the budget until it is
+    counted) and the most it can cost at the batch price (held against the spend cap)."""
+
+    task: PromptTask
+    granted: int
+    hold_micro_usd: int = 0
+    digest: str  # sha256 of the request line as submitted
+    state: BatchRequestState = "open"
+    reason: str = ""  # why it was returned or failed
+
+
+class BatchRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A batch submitted to a provider's batch API: ``<store>/_batches/<id>.json``, written before
+    its prompts' messages are acknowledged, replaced whole as it advances. While it is open its
+    prompts are held by it (``enqueue`` and the rebuild after a Redis flush read it): nothing is
+    submitted twice and its reservations outlive Redis. ``provider_id`` is empty until the provider
+    accepted it; a worker restarted before that finds it by ``id`` in the batch's metadata first."""
+
+    schema_version: int = SCHEMA_VERSION
+    id: str  # b<ns>-<hex>: the fleet's own, sent as metadata
+    backend: str
+    shape: Literal["openrouter", "openai"]
+    dataset: str
+    model: str
+    provider_id: str = ""
+    input_file_id: str = ""
+    status: str = "submitting"  # the provider's status once submitted
+    window: str = "24h"
+    worker: str
+    submitted_at: float
+    updated_at: float
+    completed: int = 0  # the provider's request counts
+    failed: int = 0
+    cancel_requested: bool = False
+    cancellable: bool = True
+    closed: bool = False  # every request stored, returned or failed: it holds nothing any more
+    error: str = ""
+    requests: list[BatchRequest] = []
+
+    def open_requests(self) -> list[BatchRequest]:
+        return [q for q in self.requests if q.state == "open"]
+
+
+class BatchSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """An open provider batch as ``status`` and ``plan`` show it (``rk.BATCHES``, kept by the batch
+    workers at each poll; the store's :class:`BatchRecord` is the truth)."""
+
+    id: str
+    backend: str
+    dataset: str
+    provider_id: str
+    status: str
+    prompts: int
+    granted_tokens: int  # what its prompts hold against the budget
+    completed: int
+    failed: int
+    submitted_at: float
+    updated_at: float
+    window: str
+    cancellable: bool
+    cancel_requested: bool
+    held_prompts: int = 0  # its prompts not answered yet: neither queued nor stored, the plan's "left" all the same
 
 
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,6 +23,7 @@ SMALLEST = {
     "store": ["--store-records", "40", "--store-tokens", "20", "--store-blobs", "1", "--store-listed", "1100",
               "--store-capture-files", "2", "--store-capture-mib", "1", "--repeats", "1"],
     "redis": ["--redis-tasks", "40", "--redis-workers", "1,2", "--redis-inflight", "4"],
+    "batch": ["--batch-prompts", "12", "--batch-size", "5", "--batch-shapes", "openai,openrouter"],
     "saturation": ["--concurrency", "8", "--warmup", "1", "--window", "3", "--length", "lognormal:20:0.3"],
 }
 

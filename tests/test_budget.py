@@ -194,4 +194,5 @@ def test_spend_cap_stops_cloud_workers(tmp_path, redis_server, tokenizer_dir, em
     assert 10 <= stored <= 12 and ledger.spend_usd("cloudy") <= 0.5 + 2 * 0.05 + 1e-9
     # the rest stays queued (in the list, or held unacked for a moment while the paused worker retries)
     assert len(queued_keys(r, "ds")) == 60 - stored and not store.failures("ds")
-    assert "spend_cap" in workers.logs(tail=None)
+    # the worker says why it stopped (it says so once its next claim meets the cap, a moment after the last store)
+    wait_until(lambda: "spend_cap" in workers.logs(tail=None), 30, 0.2, lambda: "the worker to log spend_cap: " + workers.logs())

@@ -57,8 +57,13 @@ def interpolate(value: str, env: dict[str, str]) -> str:
 
 
 def test_services_present(services):
-    assert set(services) == {"redis", "flower", "reconciler", "cloud", "producer", *GPU_SERVICES, *S3_SERVICES}
-    assert set(_fleet_services(services)) == {"flower", "reconciler", "cloud", "producer", *GPU_SERVICES}
+    assert set(services) == {"redis", "flower", "reconciler", "cloud", "batch", "producer", *GPU_SERVICES,
+                             *S3_SERVICES}
+    assert set(_fleet_services(services)) == {"flower", "reconciler", "cloud", "batch", "producer", *GPU_SERVICES}
+    batch = _cli(services["batch"])
+    assert (batch.command, batch.kind, batch.backend) == ("worker", "batch", "openrouter")
+    assert services["batch"]["profiles"] == ["batch"]  # `up` alone does not start it
+    assert services["batch"]["environment"]["OPENROUTER_API_KEY"] == "${OPENROUTER_API_KEY:-}"
 
 
 def test_every_command_exists_in_the_cli(services):

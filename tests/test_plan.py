@@ -7,6 +7,7 @@ import re
 import time
 
 import msgspec
+import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,13 +21,13 @@ from draftfleet.producer.enqueue import prompt_messages
 from draftfleet.producer.readers import read_prompts
 from draftfleet.queues import next_task
 from draftfleet.schemas.config import load_config
-from draftfleet.schemas.records import Message, ResponseRecord, Turn, TurnProgress, Usage, WorkerReport
+from draftfleet.schemas.records import BatchSummary, Message, ResponseRecord, Turn, TurnProgress, Usage, WorkerReport
 from draftfleet.store import Store, open_store
 from draftfleet.views.metrics import FleetCollector
-from draftfleet.views.plan import BackendMeasure, budget_from_store, plan_dataset
+from draftfleet.views.plan import BackendMeasure, BatchMeasure, budget_from_store, headline, plan_dataset
 from draftfleet.views.status import render, snapshot
 
-from tests.conftest import run_cli, write_jsonl
+from tests.conftest import run_cli, write_config, write_jsonl
 
 SEED_RESPONSES, SEED_TOKENS, SEED_BUDGET, GPU_TPS = 1746, 5_741_932, 10_000_000, 90.0
 SEED_LEFT = SEED_BUDGET - SEED_TOKENS  # 4,258,068: "~4.3M more to hit the 10M budget"
@@ -418,3 +419,230 @@ def test_a_new_conversation_reserves_its_turns_in_every_view_as_admission_does(t
     assert ledger.admit("B3_magicoder", task.key, "w", 100_000, 256 * answers(task)).verdict == REFUSED
     assert views() == [("plan", 500, 768, None, "closed"), ("status", 500, 768, None, "closed"),
                        ("metrics", 500, "-", None, "-")]
+
+
+def test_a_batch_api_is_a_third_way_to_finish_at_half_the_money(tmp_path, redis_server, tokenizer_dir):
+    """Issue 43: a cloud backend with a batch API plans a third side: the money at the batch price (half
+    the configured $2.5/Mtok: ~$5.32 for the seed's 4.26M tokens) and the time of its window; once a
+    batch runs, the time from the provider's progress on it."""
+    from draftfleet.batches import publish
+    from draftfleet.schemas.records import BatchRecord, BatchRequest, GenerationSettings, PromptTask
+
+    config = seed_config(tmp_path, tokenizer_dir)
+    config.write_text(config.read_text() + 'batch = "openrouter"\n')  # [backends.openrouter] is the last table
+    cfg = load_config(config)
+    store = open_store(cfg)
+    for rec in seed_records(cfg, ended_at=time.time() - 3600):
+        assert store.put(rec)
+    cp = run_cli("plan", "--config", str(config), "--redis-url", redis_server.url, "--json")
+    assert cp.returncode == 0, cp.stderr
+    (plan,) = json.loads(cp.stdout)
+    gpu, cloud, batch = plan["sides"]
+    assert (batch["backend"], batch["kind"], batch["price_source"]) == ("openrouter", "batch", "batch price")
+    assert batch["usd_per_mtok"] == 1.25 and batch["cost_usd"] == pytest.approx(cloud["cost_usd"] / 2, abs=1e-4)
+    assert batch["time_s"] == 86400 and batch["rate_source"] == "the 24h window"
+    assert plan["at_once"] is None  # a batch is not a speed to add to the others
+    text = " ".join(run_cli("plan", "--config", str(config), "--redis-url", redis_server.url,
+                            env={"COLUMNS": "200"}).stdout.split())
+    assert "openrouter (batch API) - 1d00h 5.32 time: the 24h window; $1.25/Mtok batch price" in text
+    assert "; by batch on openrouter: $5.32, about half the money, within a day" in text  # the headline
+
+    # a batch of 200 prompts, 100 of them back after 1,000 s: ~100 x 3,288 tokens / 1,000 s
+    task = PromptTask(key="ab" * 32, dataset="B3_magicoder", source="f:1", messages=[Message(role="user", content="p")],
+                      settings=GenerationSettings(model="m", max_tokens=8192, temperature=0.0, top_p=1.0),
+                      settings_id="s", enqueued_at=0.0)
+    r = redis_server.client()
+    for rec in store.records("B3_magicoder"):  # status plans from the ledger's counters
+        assert Ledger(r).count(rec, rate=False)
+    r.rpush(rk.queue("B3_magicoder"), *([b"{}"] * (5000 - SEED_RESPONSES)))
+    publish(r, BatchRecord(id="b00000000000000000001-0000beef", backend="openrouter", shape="openrouter",
+                           dataset="B3_magicoder", model="m", provider_id="batch_1", status="in_progress",
+                           worker="w", submitted_at=time.time() - 1000, updated_at=time.time(), completed=100,
+                           requests=[BatchRequest(task=task, granted=8192, digest="d")] * 200))
+    snap = snapshot(cfg, r, ["B3_magicoder"])
+    (p,) = snap.plans
+    side = next(s for s in p.sides if s.kind == "batch")
+    mean = SEED_TOKENS / SEED_RESPONSES
+    assert side.rate_source == "provider's progress" and side.tokens_per_s == pytest.approx(100 * mean / 1000, rel=0.01)
+    assert side.time_s == pytest.approx(SEED_LEFT / (100 * mean / 1000), rel=0.01)
+
+
+def test_a_backend_without_a_batch_api_has_no_batch_side(tmp_path, redis_server, tokenizer_dir):
+    cfg = load_config(seed_config(tmp_path, tokenizer_dir, prompts=10))
+    (p,) = snapshot(cfg, redis_server.client(), ["B3_magicoder"]).plans
+    assert [s.kind for s in p.sides] == ["gpu", "cloud"]
+
+
+def _cloudy_batch(tmp_path, redis_server, tokenizer_dir, cloud_extra='batch = "openai"'):
+    """conftest's fleet (SGLang, and ``cloudy`` at $1/$2 per Mtok in/out) with a batch API on cloudy; a
+    dataset of 100 prompts, 10 answered by cloudy (1,000 tokens, 50 prompt tokens each), stored and
+    counted; the 90 others queued: 90,000 tokens left at $2.05/Mtok on the cloud."""
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i}"} for i in range(100)])
+    config = write_config(tmp_path, tokenizer=tokenizer_dir, emulator_url="http://127.0.0.1:9", cloud_extra=cloud_extra,
+                          datasets=[{"name": "ds", "path": str(data), "budget_tokens": 1_000_000, "max_tokens": 1000}])
+    cfg = load_config(config)
+    ds = cfg.dataset("ds")
+    keys = [prompt_key(ds.name, prompt_messages(ds, row), ds.settings(cfg.fleet.model)) for row in read_prompts(ds)]
+    store, r, now = open_store(cfg), redis_server.client(), time.time()
+    for i, key in enumerate(keys[:10]):
+        rec = record(key, "ds", 1000, backend="cloudy", kind="cloud", created_at=now - 7200 + i, latency_s=1.0,
+                     worker="cloud-0")
+        assert store.put(rec) and Ledger(r).count(rec, rate=False)
+    r.rpush(rk.queue("ds"), *([b"{}"] * 90))
+    return config, cfg, r
+
+
+def _open_batch(r, *, completed: int, age_s: float, prompts: int = 40, backend: str = "cloudy") -> None:
+    from draftfleet.schemas.records import BatchSummary
+
+    now = time.time()
+    r.hset(rk.BATCHES, f"b-{backend}", msgspec.json.encode(BatchSummary(
+        id=f"b-{backend}", backend=backend, dataset="ds", provider_id="batch_1", status="in_progress", prompts=prompts,
+        granted_tokens=prompts * 1000, completed=completed, failed=0, submitted_at=now - age_s, updated_at=now,
+        window="24h", cancellable=True, cancel_requested=False)))
+
+
+def test_a_batch_side_at_half_the_clouds_money_in_its_window_in_plan_and_status_json(tmp_path, redis_server,
+                                                                                     tokenizer_dir):
+    config, cfg, r = _cloudy_batch(tmp_path, redis_server, tokenizer_dir)
+    for cmd in ("plan", "status"):
+        cp = run_cli(cmd, "--config", str(config), "--redis-url", redis_server.url, "--json")
+        assert cp.returncode == 0, cp.stderr
+        out = json.loads(cp.stdout)
+        (plan,) = out if cmd == "plan" else out["plans"]
+        assert plan["remaining_tokens"] == 90_000 and plan["prompts_left"] == 90, cmd
+        assert [(s["backend"], s["kind"]) for s in plan["sides"]] == [("sglang", "gpu"), ("cloudy", "cloud"),
+                                                                       ("cloudy", "batch")], cmd
+        gpu, cloud, batch = plan["sides"]
+        assert set(batch) == set(cloud) == set(gpu), cmd  # the same fields as every side
+        assert cloud["usd_per_mtok"] == 2.05 and cloud["cost_usd"] == pytest.approx(0.1845), cmd
+        assert (batch["usd_per_mtok"], batch["price_source"]) == (1.025, "batch price"), cmd
+        assert batch["cost_usd"] == pytest.approx(cloud["cost_usd"] / 2, abs=1e-4), cmd
+        assert (batch["time_s"], batch["rate_source"], batch["tokens_per_s"]) == (86400, "the 24h window", None), cmd
+        assert batch["assigned"] and batch["live_workers"] == 0, cmd
+    (p,) = snapshot(cfg, r, ["ds"]).plans
+    assert headline(p).endswith("; by batch on cloudy: $0.0922, about half the money, within a day")
+
+
+def test_the_batch_sides_time_comes_from_the_providers_progress_on_open_batches(tmp_path, redis_server,
+                                                                                 tokenizer_dir):
+    """20 of an open batch's requests back in 1,000 s: 0.02 requests/s, so the 90 prompts left take
+    ~4,500 s (not the window); a live batch worker alone gives the dataset that ETA. A batch that
+    crawls is capped at the window; another backend's batch is not this one's progress."""
+    config, cfg, r = _cloudy_batch(tmp_path, redis_server, tokenizer_dir)
+    _open_batch(r, completed=20, age_s=1000)
+    _open_batch(r, completed=40, age_s=10, backend="elsewhere")
+    (p,) = snapshot(cfg, r, ["ds"]).plans
+    batch = p.sides[-1]
+    assert (batch.kind, batch.rate_source) == ("batch", "provider's progress")
+    assert batch.tokens_per_s == pytest.approx(20.0, rel=0.01)  # 0.02 requests/s at the mean 1,000 tokens
+    assert batch.time_s == pytest.approx(4500, rel=0.01) and batch.cost_usd == pytest.approx(0.0922, abs=1e-4)
+    assert p.at_once is None and p.eta_s is None and p.stalled == "no live cloud or gpu worker"
+    assert "in about 1h1" in headline(p) and "at the provider's progress" in headline(p)
+
+    _report(r, "batch-0", "batch", "cloudy", ["ds"])
+    (p,) = snapshot(cfg, r, ["ds"]).plans
+    assert p.sides[-1].live_workers == 1 and p.sides[1].live_workers == 0  # a batch worker is not a cloud worker
+    assert p.stalled is None and p.eta_s == pytest.approx(4500, rel=0.01)
+    assert p.eta_kinds == ["batch"] and "; ETA 1h1" in headline(p) and "(batch)" in headline(p)  # not "cloud+gpu"
+    cp = run_cli("plan", "--config", str(config), "--redis-url", redis_server.url, env={"COLUMNS": "200"})
+    text = " ".join(cp.stdout.split())
+    assert "cloudy (batch API) 20 1h1" in text and "time: provider's progress; $1.02/Mtok batch price; 1 batch" in text
+
+    _open_batch(r, completed=1, age_s=1000)  # 0.001 requests/s: 90,000 s, past the window
+    (p,) = snapshot(cfg, r, ["ds"]).plans
+    assert (p.sides[-1].time_s, p.sides[-1].rate_source) == (86400, "provider's progress") and p.eta_s == 86400
+
+    _open_batch(r, completed=0, age_s=1000)  # nothing back yet: the window; a live batch worker's ETA is it
+    (p,) = snapshot(cfg, r, ["ds"]).plans
+    assert (p.sides[-1].time_s, p.sides[-1].rate_source, p.eta_s) == (86400, "the 24h window", 86400)
+
+
+def test_a_cloudy_without_a_batch_api_has_no_batch_side(tmp_path, redis_server, tokenizer_dir):
+    config, cfg, r = _cloudy_batch(tmp_path, redis_server, tokenizer_dir, cloud_extra="")
+    _open_batch(r, completed=20, age_s=1000)
+    (p,) = snapshot(cfg, r, ["ds"]).plans
+    assert [s.kind for s in p.sides] == ["gpu", "cloud"] and "batch" not in headline(p)
+    cp = run_cli("plan", "--config", str(config), "--redis-url", redis_server.url, "--json")
+    assert [s["kind"] for s in json.loads(cp.stdout)[0]["sides"]] == ["gpu", "cloud"]
+
+
+def test_a_batch_side_from_figures_alone():
+    """No answer yet (no mean length), no budget: the progress applies to the prompts left; no
+    price, no money; a batch dearer than the cloud is not in the headline."""
+    b = BatchMeasure(backend="c", usd_per_mtok=None, price_source="not priced", window="24h", window_s=86400,
+                     progress_rps=0.01)
+    p = plan_dataset("d", responses=0, completion_tokens=0, budget=None, prompts_left=100, measures=[],
+                     assigned={"cloud"}, batches=[b])
+    (side,) = p.sides
+    assert (side.time_s, side.tokens_per_s, side.cost_usd, side.rate_source) == (10_000, None, None,
+                                                                                 "provider's progress")
+    cloud = BackendMeasure(backend="c", kind="cloud", configured_usd_per_mtok=1.0)
+    dear = msgspec.structs.replace(b, usd_per_mtok=3.0, price_source="batch price", progress_rps=None)
+    p = plan_dataset("d", responses=10, completion_tokens=10_000, budget=None, prompts_left=90, measures=[cloud],
+                     assigned={"cloud"}, batches=[dear])
+    assert [(s.kind, s.cost_usd, s.time_s) for s in p.sides] == [("cloud", 0.09, None), ("batch", 0.27, 86400)]
+    assert "batch" not in headline(p)
+    p = plan_dataset("d", responses=10, completion_tokens=10_000, budget=None, prompts_left=0, measures=[cloud],
+                     assigned={"cloud"}, batches=[dear])
+    assert p.state == "done" and p.sides[-1].time_s == 0 and p.sides[-1].cost_usd == 0
+
+
+def test_prompts_in_open_batches_are_left_until_their_batch_closes(tmp_path, redis_server, tokenizer_dir):
+    """A prompt in an open provider batch is neither queued nor held nor stored: status (Redis) and plan
+    (the store) call the dataset done only once its batch is closed, and say how many are out."""
+    config, cfg, r = _cloudy_batch(tmp_path, redis_server, tokenizer_dir)
+    r.delete(rk.queue("ds"))  # the 90 left all went into a batch
+    _open_batch(r, completed=0, age_s=60, prompts=90)
+    r.hset(rk.BATCHES, "b-cloudy", msgspec.json.encode(msgspec.structs.replace(
+        msgspec.json.decode(r.hget(rk.BATCHES, "b-cloudy"), type=BatchSummary), held_prompts=90)))
+    snap = snapshot(cfg, r, ["ds"])
+    (p,), (row,) = snap.plans, snap.datasets
+    assert (p.state, p.prompts_left, p.in_batch, p.remaining_tokens) == ("open", 90, 90, 90_000)
+    assert "90 prompts left (90 of them in open batches)" in headline(p)
+    assert not row.finished and row.in_batch == 90 and row.queue_depth == 0
+    cp = run_cli("plan", "--config", str(config), "--redis-url", redis_server.url, "--json")
+    (plan,) = json.loads(cp.stdout)
+    assert (plan["state"], plan["prompts_left"], plan["in_batch"]) == ("open", 90, 90)  # the store's 90 not stored
+    cp = run_cli("status", "--config", str(config), "--redis-url", redis_server.url, env={"COLUMNS": "200"})
+    assert "(+90 in batches)" in cp.stdout, cp.stdout
+
+    r.hdel(rk.BATCHES, "b-cloudy")  # closed: its prompts are stored, failed or queued again
+    snap = snapshot(cfg, r, ["ds"])
+    (p,), (row,) = snap.plans, snap.datasets
+    assert (p.state, p.in_batch) == ("done", 0) and row.finished
+
+
+def test_batch_answers_price_the_batch_side_and_leave_the_clouds_measures_alone(tmp_path, redis_server,
+                                                                                  tokenizer_dir):
+    """Ten sync answers at the provider's $2/Mtok in 1 s each, ten batch answers at $1/Mtok an hour
+    after their batch was submitted: the cloud side is measured at $2/Mtok and 1,000 tok/s in every
+    view (not $1.50 and a few tok/s); the batch side at the batch answers' own $1/Mtok."""
+    config, cfg, r = _cloudy_batch(tmp_path, redis_server, tokenizer_dir)
+    ds = cfg.dataset("ds")
+    keys = [prompt_key(ds.name, prompt_messages(ds, row), ds.settings(cfg.fleet.model)) for row in read_prompts(ds)]
+    store, ledger, now = open_store(cfg), Ledger(r), time.time()
+    r.flushall()
+    for f in (tmp_path / "store" / "ds").rglob("*.json"):
+        f.unlink()
+    for i, key in enumerate(keys[:20]):
+        batch = i >= 10
+        rec = record(key, "ds", 1000, backend="cloudy", kind="cloud", created_at=now - 3600 + 2 * i,
+                     latency_s=3600.0 if batch else 1.0, worker="cloud-0", cost_source="provider",
+                     cost_usd=0.001 if batch else 0.002)
+        rec = msgspec.structs.replace(rec, batch_id="b-1" if batch else msgspec.UNSET)
+        assert store.put(rec) and ledger.count(rec, rate=False)
+    r.set(rk.COUNTERS_BUILT, 1)
+    redis_side = next(s for s in snapshot(cfg, r, ["ds"]).plans[0].sides if s.kind == "cloud")
+    assert (redis_side.usd_per_mtok, redis_side.price_source) == (2.0, "measured")
+    cp = run_cli("plan", "--config", str(config), "--redis-url", redis_server.url, "--json")
+    (plan,) = json.loads(cp.stdout)
+    cloud, batch = (next(s for s in plan["sides"] if s["kind"] == k) for k in ("cloud", "batch"))
+    assert (cloud["usd_per_mtok"], cloud["price_source"]) == (2.0, "measured")
+    assert cloud["tokens_per_s"] == pytest.approx(1000, rel=0.01) and cloud["rate_source"] == "run's mean"
+    assert (batch["usd_per_mtok"], batch["price_source"]) == (1.0, "measured (batch answers)")
+    cp = run_cli("inventory", "--config", str(config), "--json")
+    (inv,) = json.loads(cp.stdout) if cp.stdout.lstrip().startswith("[") else json.loads(cp.stdout)["datasets"]
+    acts = {(a["backend"], a["kind"]): a for a in inv["activity"]}
+    assert acts[("cloudy", "cloud")]["busy_s"] == pytest.approx(10, abs=0.01)
+    assert acts[("cloudy", "batch")]["busy_s"] == 0 and acts[("cloudy", "batch")]["provider_cost_usd"] == 0.01

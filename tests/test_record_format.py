@@ -60,3 +60,15 @@ def test_a_single_answer_record_reads_as_one_turn_with_every_answer_field():
     assert turn.prompt_ids == []
     assert all(getattr(turn, f) == getattr(seed, f) for f in Answer.__struct_fields__)
     assert set(Turn.__struct_fields__) == {*Answer.__struct_fields__, "prompt_ids"}
+
+
+def test_a_batch_answer_names_its_batch_and_every_other_record_leaves_the_field_out():
+    """``batch_id`` (issue 43) is written only by a provider batch's answer: every other record keeps
+    the bytes it had, and a record that carries the field (or null) reads back as written."""
+    seed = msgspec.json.decode(SEED_SINGLE, type=ResponseRecord)
+    assert "batch_id" not in json.loads(msgspec.json.encode(seed)) and not seed.batch_id
+    batched = msgspec.structs.replace(seed, batch_id="b-1")
+    again = msgspec.json.decode(msgspec.json.encode(batched), type=ResponseRecord)
+    assert again.batch_id == "b-1" and again == batched
+    nulled = msgspec.json.decode(SEED_SINGLE[:-1] + ',"batch_id":null}', type=ResponseRecord)
+    assert nulled.batch_id is None and json.loads(msgspec.json.encode(nulled))["batch_id"] is None

@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import pytest
 
 from draftfleet.store.bucket import ObjectStore
@@ -611,3 +612,32 @@ def test_commands_on_a_bucket_say_what_is_wrong_in_one_line(tmp_path, s3_server,
     res = run_cli("inventory", "--store", "s3://no-such-bucket/x", "--json", env=env)
     assert res.returncode == 1 and "no bucket 'no-such-bucket' at http://127.0.0.1:" in res.stderr, res.stderr
     assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("kind", ["folder", "bucket"])
+def test_provider_batches_are_kept_open_then_closed_the_same_in_both_stores(s3_env, tmp_path, kind):
+    """A batch (workers/batch.py) is replaced whole while open, moved aside once closed; its open
+    prompts are the keys enqueue must not queue again."""
+    from draftfleet.schemas.records import BatchRecord, BatchRequest
+    from draftfleet.store.base import new_batch_id
+    from draftfleet.store.folder import FileStore
+
+    store = _store(s3_env, "batches") if kind == "bucket" else FileStore(tmp_path / "store")
+    if kind == "folder":
+        store.prepare()
+    key, other = "ab" * 32, "cd" * 32
+    reqs = [BatchRequest(task=_failure(k).task, granted=64, digest="d") for k in (key, other)]
+    b = BatchRecord(id=new_batch_id(), backend="cloudy", shape="openai", dataset="ds", model="m", worker="w",
+                    submitted_at=1.0, updated_at=1.0, requests=reqs)
+    store.put_batch(b)
+    assert [x.id for x in store.batches()] == [b.id] and store.batches(closed=True) == []
+    assert store.batched_keys("ds") == {key, other} and store.batched_keys("other") == set()
+    done = msgspec.structs.replace(b, provider_id="batch_1", requests=[msgspec.structs.replace(reqs[0], state="stored"),
+                                                                       reqs[1]])
+    store.put_batch(done)
+    assert store.open_batch(b.id).provider_id == "batch_1" and store.batched_keys("ds") == {other}
+    store.put_batch(msgspec.structs.replace(done, closed=True))
+    assert store.batches() == [] and store.open_batch(b.id) is None and store.batched_keys("ds") == set()
+    assert [x.id for x in store.batches(closed=True)] == [b.id]
+    with pytest.raises(StoreError):
+        store.put_batch(msgspec.structs.replace(b, id="../x"))

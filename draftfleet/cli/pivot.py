@@ -72,15 +72,40 @@ def log_assignment(root, result, what: str) -> None:
 
 def _move(args, label: str, run, title: str, warnings: dict[str, str] | None = None) -> int:
     """Run a drain or pivot with a live "waiting for N in flight" line, then report."""
+    from draftfleet.batches import open_batches
+
     cfg, root = config_or_store(args)
     r = redis_client(args, cfg)
     names = dataset_names(args, cfg, root)
     with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, disable=args.json) as progress:
         t = progress.add_task(label, total=None)
         tick = lambda running: progress.update(t, description=f"waiting for {running} in flight")  # noqa: E731
+        batches = open_batches(r)  # before: the batch workers act on the drain while it runs
         result = run(r, names, tick)
     log_assignment(cfg or root, result, args.command)
+    warnings = {**(warnings or {}), **batch_warnings(batches, result)}
     return pivot_report(args, cfg, root, result, title.format(datasets=", ".join(names)), warnings)
+
+
+def batch_warnings(batches, result) -> dict[str, str]:
+    """What becomes of the provider batches open when the drain began, of datasets the cloud no longer
+    has: the batch worker cancels those it can (what completed is stored, the rest comes back to the
+    queue) and waits for the others; either way their prompts are held by them meanwhile, never
+    queued twice."""
+    out = {}
+    for b in batches:
+        if b.dataset not in result.assignment or "cloud" in result.assignment[b.dataset]:
+            continue
+        left = b.prompts - b.completed - b.failed
+        if b.cancellable:
+            out[f"batch:{b.id}"] = (f"{b.dataset}: batch {b.provider_id or b.id} on {b.backend} ({left:,} of {b.prompts:,} "
+                                    "prompts not answered yet) is cancelled by its batch worker: what completed is "
+                                    "stored, the rest comes back to the queue for the new assignment")
+        else:
+            out[f"batch:{b.id}"] = (f"{b.dataset}: batch {b.provider_id or b.id} on {b.backend} cannot be cancelled "
+                                    f"(its API has no cancel): its {left:,} prompts not answered yet stay with it, up to "
+                                    f"its {b.window} window; `draftfleet status` shows it, and its answers are stored")
+    return out
 
 
 def cmd_drain(args) -> int:

@@ -1,4 +1,4 @@
-"""``draftfleet worker KIND``: run a gpu, cloud, capture or reconciler worker; each kind has its own
+"""``draftfleet worker KIND``: run a gpu, cloud, batch, capture or reconciler worker; each kind has its own
 options (``draftfleet worker gpu --help``)."""
 
 from __future__ import annotations
@@ -52,6 +52,14 @@ def cmd_cloud(args) -> int:
     return 0
 
 
+def cmd_batch(args) -> int:
+    from draftfleet.workers.batch import run_batch_worker
+
+    run_batch_worker(config(args), args.backend, datasets=args.dataset, redis_url=args.redis_url, name=args.name,
+                     loglevel=args.loglevel)
+    return 0
+
+
 def cmd_capture(args) -> int:
     from draftfleet.workers.capture import run_capture_worker
     from draftfleet.workers.capture_engine import engine_command
@@ -98,7 +106,7 @@ def _loglevel(sp) -> None:
 
 
 def register(sub) -> None:
-    sp = sub.add_parser("worker", help="run a worker: gpu (one per SGLang or vLLM server), cloud, capture or reconciler",
+    sp = sub.add_parser("worker", help="run a worker: gpu (one per SGLang or vLLM server), cloud, batch, capture or reconciler",
                         description="Run one worker in the foreground until Ctrl-C or SIGTERM (a warm shutdown). "
                         "`draftfleet worker KIND --help` lists each kind's options.")
     kinds = sp.add_subparsers(dest="kind", required=True, metavar="KIND", help="the kind of worker")
@@ -124,6 +132,15 @@ def register(sub) -> None:
     cloud.add_argument("--concurrency", type=int, help="requests in flight (default the backend's concurrency)")
     _consumer_flags(cloud, "queue")
     cloud.set_defaults(func=cmd_cloud)
+
+    batch = kinds.add_parser("batch", help="finish datasets through a provider's batch API (about half price, hours)",
+                             description="Collect prompts from the cloud's queues into batches for the backend's "
+                             "batch API ([backends.NAME].batch: openrouter or openai), submit them, poll them and "
+                             "store what they answer; a restart goes on with the open batches (the store holds them).")
+    add_common(batch)
+    batch.add_argument("--backend", help="the [backends.NAME] table (default: the only one with a batch API)")
+    _consumer_flags(batch, "queue")
+    batch.set_defaults(func=cmd_batch)
 
     capture = kinds.add_parser("capture", help="capture hidden states of stored records on vLLM",
                                description="Capture the target's hidden states for stored records (queued by "

@@ -147,26 +147,53 @@ class EmulatorConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     retry_after_s: float = 1.0  # Retry-After (sent as "1", or "0.5" for fast tests) and retry_after_seconds
     hang_s: float = 3600.0  # how long a hung request is held before it is answered
     fault_endpoints: tuple[str, ...] = GENERATION_PATHS
+    # OpenAI-shaped batch API (emulator_batch.py), in model seconds: validating, then the requests one
+    # after another, finalizing; "24h" lasts batch_window_s (unfinished requests then expire); a cancel
+    # stays cancelling for batch_cancelling_s. Limits are OpenAI's (50,000 requests, 200 MB per file).
+    batch_validating_s: float = 1.0
+    batch_request_s: float = 0.05
+    batch_finalizing_s: float = 1.0
+    batch_cancelling_s: float = 1.0
+    batch_window_s: float = 86400.0
+    batch_max_requests: int = 50_000
+    batch_max_file_bytes: int = 200_000_000
+    batch_price_factor: float = 0.5  # the batch price as a share of price_*_per_mtok, in usage.cost
+    rate_batch_request_error: float = 0.0  # share of batch requests answered 500 in the error file
+    # Faults of the batch endpoints themselves (emulator_batch.py, BATCH_FAULT_CALLS and _KINDS), none
+    # by default: "CALL:KIND[:N]" (the next N calls of CALL, default 1) or "CALL:KIND:P%" (each call
+    # with chance P%), e.g. ("create:429:2", "create:lost", "content:503", "get:500:10%"). Entries of
+    # one call take turns in order: each call draws from the first one still armed. Setting the field
+    # (update) arms it afresh. 429 and 503 carry Retry-After: retry_after_s; "hang" holds the reply
+    # hang_s after the call is applied.
+    batch_faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _length_sampler(self.length)
         _length_sampler(self.reasoning_length)
-        for name in ("reasoning_rate", "split_rate", *(f"rate_{kind}" for kind in FAULT_KINDS)):
+        for name in ("reasoning_rate", "split_rate", "rate_batch_request_error",
+                     *(f"rate_{kind}" for kind in FAULT_KINDS)):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1]")
         for name in ("single_stream_tps", "ceiling_tps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("ttft_s", "time_scale", "hang_s", "health_s", "retry_after_s", "price_input_per_mtok",
-                     "price_output_per_mtok"):
+                     "price_output_per_mtok", "batch_validating_s", "batch_request_s", "batch_finalizing_s",
+                     "batch_cancelling_s", "batch_window_s", "batch_price_factor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if self.batch_max_requests < 1 or self.batch_max_file_bytes < 1:
+            raise ValueError("batch_max_requests and batch_max_file_bytes must be at least 1")
         if self.max_running < 1:
             raise ValueError("max_running must be at least 1")
         if self.context_length < 2:
             raise ValueError("context_length must be at least 2")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ValueError("max_output_tokens must be at least 1")
+        if self.batch_faults:
+            from draftfleet.devtools.emulator_batch import parse_batch_faults
+
+            parse_batch_faults(self.batch_faults)  # a ValueError naming the bad entry
         unknown = set(self.fault_endpoints) - set(GENERATION_PATHS)
         if unknown:
             raise ValueError(f"fault_endpoints: unknown {sorted(unknown)}; known: {list(GENERATION_PATHS)}")
@@ -379,6 +406,7 @@ class _Reply(NamedTuple):
     body: bytes = b""
     headers: tuple[tuple[str, str], ...] = ()
     cut: bool = False  # announce the whole body, send half, close
+    drop: bool = False  # close the connection without a reply (the request may have been applied)
 
 
 class _HttpError(Exception):
@@ -539,6 +567,10 @@ class _App:
         self._open = 0
         self._ids = itertools.count(1)
         self.url = ""
+        # The batch API imports this module, so it is bound here, not at the top.
+        from draftfleet.devtools.emulator_batch import BatchAPI
+
+        self._batch = BatchAPI(self)
         self.reset_stats()
 
     # --- configuration and stats -------------------------------------------------------
@@ -566,6 +598,8 @@ class _App:
         if self._batcher is not None:
             self._batcher.sync()  # bank progress made at the old rate
         self._apply(config)
+        if "batch_faults" in fields:
+            self._batch.arm()
         if self._batcher is not None:
             self._batcher.sync()
         self._admit()
@@ -578,6 +612,7 @@ class _App:
         self._faults: Counter[str] = Counter({kind: 0 for kind in FAULT_KINDS})
         self._peak_running = self._running
         self._max_open = self._open
+        self._batch.reset_stats()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -596,6 +631,8 @@ class _App:
             "unauthorized": self._counts["unauthorized"],
             "disconnected": self._counts["disconnected"],
             "deprecated": self._counts["deprecated"],  # calls to a path SGLang logs as deprecated
+            "dropped": self._counts["dropped"],  # connections closed without a reply (batch "lost" faults)
+            "batch": self._batch.stats(),
         }
 
     # --- server lifecycle --------------------------------------------------------------
@@ -652,6 +689,9 @@ class _App:
                     return
                 body = await reader.readexactly(length) if length else b""
                 reply = await self._dispatch(method, path, headers, body, task, reader)
+                if reply.drop:
+                    self._counts["dropped"] += 1
+                    return
                 self._by_status[str(reply.status)] += 1
                 if reply.cut:
                     writer.write(_head(reply, keep_alive=True) + reply.body[: len(reply.body) // 2])
@@ -679,7 +719,10 @@ class _App:
         t0 = time.monotonic()
         self._counts["requests_total"] += 1
         route = self._routes.get(path)
-        self._by_endpoint[path if route else "other"] += 1
+        label = path
+        if route is None and (found := self._batch.route(method, path)) is not None:
+            label, route = found  # the batch API's paths carry ids: counted by their pattern
+        self._by_endpoint[label if route else "other"] += 1
         if route is None:
             return _Reply(404, _fastapi_detail(404))
         if method != route[0]:

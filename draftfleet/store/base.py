@@ -16,6 +16,7 @@ from pathlib import Path
 
 from draftfleet.schemas.config import NAME_RE
 from draftfleet.schemas.records import (
+    BatchRecord,
     ChargeRecord,
     DatasetEvent,
     DatasetManifest,
@@ -24,7 +25,7 @@ from draftfleet.schemas.records import (
     ResponseRecord,
     TurnProgress,
 )
-from draftfleet.store.encoding import encoder, record_decoder
+from draftfleet.store.encoding import BATCH_ID_RE_TEXT, encoder, record_decoder
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -32,7 +33,7 @@ MARKER = ".draftfleet-store"
 
 # What a store made before the marker existed can hold: it is recognised, and marked.
 FLEET_ENTRIES = {"_redis", "_failures", "_charges", "_quarantine", "_state", "_unreadable", "_progress", "_hidden", "_log",
-                  "lost+found"}
+                  "_batches", "lost+found"}
 
 
 class StoreError(Exception):
@@ -57,6 +58,20 @@ CHARGE_ID_RE = re.compile(r"^[0-9]{20}-[0-9a-f]{12}$")
 def new_charge_id() -> str:
     """A charge's id: its time (so the store lists charges in order) and a random part."""
     return f"{time.time_ns():020d}-{secrets.token_hex(6)}"
+
+
+BATCH_ID_RE = re.compile(BATCH_ID_RE_TEXT)
+
+
+def new_batch_id() -> str:
+    """A provider batch's id in the fleet: time-ordered, unique across machines."""
+    return f"b{time.time_ns():020d}-{secrets.token_hex(4)}"
+
+
+def check_batch_id(batch_id: str) -> str:
+    if not BATCH_ID_RE.match(batch_id):
+        raise StoreError(f"bad batch id {batch_id!r}")
+    return batch_id
 
 
 def check_charge_id(charge_id: str) -> str:
@@ -187,6 +202,24 @@ class Store(ABC):
         from the budget (what the reconciler rebuilds the ledger's ``paid_tokens`` from)."""
         return sum(t.completion_tokens for key in self.progress_keys(dataset) if not self.has(dataset, key)
                    for t in getattr(self.progress(dataset, key), "turns", []))
+
+    # -- provider batches (workers/batch.py) ------------------------------------------------
+    @abstractmethod
+    def put_batch(self, batch: BatchRecord) -> None:
+        """Keep ``batch`` (replaced whole, atomically): under ``_batches/open/`` while it holds
+        prompts, moved to ``_batches/closed/`` once ``closed``."""
+
+    @abstractmethod
+    def open_batch(self, batch_id: str) -> BatchRecord | None:
+        """The open batch ``batch_id`` as stored now; None once it is closed (or unreadable)."""
+
+    @abstractmethod
+    def batches(self, *, closed: bool = False) -> list[BatchRecord]:
+        """The open batches (or the closed ones), oldest first; an unreadable one is skipped."""
+
+    def batched_keys(self, dataset: str) -> set[str]:
+        """Keys of ``dataset`` an open batch holds: not to be queued or submitted again."""
+        return {q.task.key for b in self.batches() if b.dataset == dataset for q in b.requests if q.state == "open"}
 
     # -- what only grows -----------------------------------------------------------------
     @abstractmethod

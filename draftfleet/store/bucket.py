@@ -43,10 +43,10 @@ import msgspec
 
 from draftfleet.store.s3 import WRITER, Bucket, S3Error
 from draftfleet.schemas.config import NAME_RE, StoreS3Section
-from draftfleet.schemas.records import (ChargeRecord, DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry,
+from draftfleet.schemas.records import (BatchRecord, ChargeRecord, DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry,
                                         ResponseRecord, TurnProgress)
-from draftfleet.store.base import FLEET_ENTRIES, MARKER, Store, StoreError, check_charge_id, check_key, check_name
-from draftfleet.store.encoding import (charge_decoder, encoder, event_decoder, failure_decoder, manifest_decoder,
+from draftfleet.store.base import FLEET_ENTRIES, MARKER, Store, StoreError, check_batch_id, check_charge_id, check_key, check_name
+from draftfleet.store.encoding import (batch_decoder, charge_decoder, encoder, event_decoder, failure_decoder, manifest_decoder,
                                        quarantine_decoder, quarantine_id)
 
 READ_THREADS = 16  # GETs in flight while a view reads every record: latency-bound, not CPU-bound
@@ -405,6 +405,25 @@ class ObjectStore(Store):
         for e in entries:  # named by what identifies the rejection: a re-run's is the same object
             name = hashlib.sha256(encoder.encode(quarantine_id(e))).hexdigest()
             self.create_object(self.object_name(*base, f"{name}.json"), encoder.encode(e))
+
+    def put_batch(self, batch: BatchRecord) -> None:
+        name = f"{check_batch_id(batch.id)}.json"
+        key = self.object_name("_batches", "closed" if batch.closed else "open", name)
+        data = encoder.encode(batch)
+        self.retry_conflict(lambda: self.bucket.put(key, data))
+        if batch.closed:
+            self.bucket.delete(self.object_name("_batches", "open", name))
+
+    def open_batch(self, batch_id: str) -> BatchRecord | None:
+        got = self.bucket.get(self.object_name("_batches", "open", f"{check_batch_id(batch_id)}.json"))
+        try:
+            return batch_decoder.decode(got[0]) if got else None
+        except msgspec.DecodeError:
+            return None
+
+    def batches(self, *, closed: bool = False) -> list[BatchRecord]:
+        found = self._documents(self.object_name("_batches", "closed" if closed else "open", ""), batch_decoder)
+        return sorted(found, key=lambda b: b.id)
 
     def put_charge(self, charge: ChargeRecord) -> None:
         self.create_object(self.object_name("_charges", f"{check_charge_id(charge.id)}.json"), encoder.encode(charge))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from draftfleet.schemas.records import (
+    BatchRecord,
     ChargeRecord,
     DatasetEvent,
     DatasetManifest,
@@ -26,6 +27,10 @@ quarantine_decoder = msgspec.json.Decoder(QuarantineEntry)
 event_decoder = msgspec.json.Decoder(DatasetEvent)
 
 charge_decoder = msgspec.json.Decoder(ChargeRecord)
+
+batch_decoder = msgspec.json.Decoder(BatchRecord)
+
+BATCH_ID_RE_TEXT = r"^b[0-9]{20}-[0-9a-f]{8}$"
 
 
 def quarantine_id(e: QuarantineEntry) -> tuple:

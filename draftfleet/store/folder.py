@@ -24,9 +24,9 @@ from pathlib import Path
 import msgspec
 
 from draftfleet.schemas.config import NAME_RE
-from draftfleet.schemas.records import ChargeRecord, DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry, TurnProgress
-from draftfleet.store.base import FLEET_ENTRIES, MARKER, Store, StoreError, check_charge_id, check_key, check_name
-from draftfleet.store.encoding import (charge_decoder, encoder, event_decoder, failure_decoder, manifest_decoder,
+from draftfleet.schemas.records import BatchRecord, ChargeRecord, DatasetEvent, DatasetManifest, FailureRecord, QuarantineEntry, TurnProgress
+from draftfleet.store.base import FLEET_ENTRIES, MARKER, Store, StoreError, check_batch_id, check_charge_id, check_key, check_name
+from draftfleet.store.encoding import (batch_decoder, charge_decoder, encoder, event_decoder, failure_decoder, manifest_decoder,
                                        quarantine_decoder, quarantine_id)
 
 DIR_MODE = 0o755
@@ -360,6 +360,32 @@ class FileStore(Store):
                 fh.write((b"\n" if old and not old.endswith(b"\n") else b"") + b"".join(new))
                 fh.flush()
                 os.fsync(fh.fileno())
+
+    def put_batch(self, batch: BatchRecord) -> None:
+        name = f"{check_batch_id(batch.id)}.json"
+        final = self.root / "_batches" / ("closed" if batch.closed else "open") / name
+        try:
+            make_dirs(final.parent)
+            os.replace(_write_temp(final.parent, encoder.encode(batch)), final)
+            if batch.closed:
+                (self.root / "_batches" / "open" / name).unlink(missing_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot write {final}: {_why(exc)}") from exc
+
+    def open_batch(self, batch_id: str) -> BatchRecord | None:
+        try:
+            return batch_decoder.decode((self.root / "_batches" / "open" / f"{check_batch_id(batch_id)}.json").read_bytes())
+        except (OSError, msgspec.DecodeError):
+            return None
+
+    def batches(self, *, closed: bool = False) -> list[BatchRecord]:
+        out = []
+        for p in sorted((self.root / "_batches" / ("closed" if closed else "open")).glob("b*.json")):
+            try:
+                out.append(batch_decoder.decode(p.read_bytes()))
+            except (OSError, msgspec.DecodeError):
+                continue
+        return out
 
     def put_charge(self, charge: ChargeRecord) -> None:
         write_once(self.root / "_charges" / f"{check_charge_id(charge.id)}.json", encoder.encode(charge))

@@ -28,13 +28,13 @@ from draftfleet.producer.enqueue import prompt_messages
 from draftfleet.producer.readers import Rejection, read_prompts
 from draftfleet.queues import next_answers
 from draftfleet.schemas.config import DatasetConfig, FleetConfig
-from draftfleet.schemas.records import IMPORTED_BY, GenerationSettings, ResponseRecord
+from draftfleet.schemas.records import GenerationSettings, ResponseRecord
 from draftfleet.store import Store, open_store
 from draftfleet.tokenizer import TargetTokenizer
 from draftfleet.versions import Selection, select
 from draftfleet.ledger import BudgetUse
-from draftfleet.views.plan import (Activity, DatasetPlan, StoreFigures, budget_from_store, busy_seconds,
-                                  plan_from_store)
+from draftfleet.views.plan import (Activity, DatasetPlan, StoreFigures, activities, budget_from_store,
+                                  merge_activity, note_activity, plan_from_store)
 
 _decode = msgspec.json.Decoder(ResponseRecord).decode
 _msg_encoder = msgspec.json.Encoder()
@@ -201,15 +201,7 @@ def _scan(store: Store, paths: list[str], vocab_size: int | None, eot_id: int | 
             sp.provider_responses += 1
             sp.provider_completion_tokens += rec.usage.completion_tokens
             sp.provider_difference += record_tokens(rec) - rec.usage.completion_tokens
-        act = part.activity.get(rec.backend)
-        if act is None:
-            act = part.activity[rec.backend] = Activity(backend=rec.backend, kind=rec.backend_kind)
-        if rec.worker != IMPORTED_BY:
-            part.intervals.setdefault(rec.backend, []).append((rec.created_at - rec.latency_s, rec.created_at))
-            act.busy_tokens += record_tokens(rec)
-        if rec.cost_source == "provider":
-            act.provider_tokens += record_tokens(rec)
-            act.provider_cost_usd += rec.cost_usd
+        note_activity(part.activity, part.intervals, rec, record_tokens(rec))
         h = _prompt_hash(rec)
         part.prompts[h] = part.prompts.get(h, 0) + 1
         part.truncated += rec.truncated
@@ -282,13 +274,7 @@ def inventory_dataset(
             acc.provider_completion_tokens += sp.provider_completion_tokens
             acc.provider_difference += sp.provider_difference
         prompts.update(part.prompts)
-        for name, act in part.activity.items():
-            acc = activity.setdefault(name, Activity(backend=name, kind=act.kind))
-            acc.busy_tokens += act.busy_tokens
-            acc.provider_tokens += act.provider_tokens
-            acc.provider_cost_usd += act.provider_cost_usd
-        for name, spans in part.intervals.items():
-            intervals.setdefault(name, []).extend(spans)
+        merge_activity(activity, intervals, part.activity, part.intervals)
         v.truncated += part.truncated
         v.schema_errors += part.schema_errors
         v.unreadable_files.extend(part.unreadable)
@@ -338,9 +324,8 @@ def inventory_dataset(
         share_done=round(use.spent_tokens / budget, 4) if budget else None, remaining_tokens=remaining, budget=use,
         prompts_left=prompts_left,
         spend_usd=round(sum(s.cost_usd for s in by_source), 4), cost_to_finish_usd=cost, validation=v,
-        activity=[msgspec.structs.replace(a, busy_s=round(busy_seconds(intervals.get(a.backend, [])), 3),
-                                          provider_cost_usd=round(a.provider_cost_usd, 6))
-                  for a in sorted(activity.values(), key=lambda a: a.backend)],
+        activity=[msgspec.structs.replace(a, provider_cost_usd=round(a.provider_cost_usd, 6))
+                  for a in activities(activity, intervals)],
     )
 
 

@@ -3,7 +3,7 @@
 A collector reads a status snapshot on every scrape, so the figures are as fresh as Redis:
 tokens, responses and cost per dataset and backend, queue depth, in flight, budget (and what it has
 spent and left, as admission counts them), retries and failures by reason, spend per cloud
-backend, worker counts by kind, each backend's tokens/s, and the plan (plan.py): tokens left, the time and money to finish on each side, the ETA, stalled.
+backend, worker counts by kind, each backend's tokens/s, the plan (plan.py): tokens left, the time and money to finish on each side, the ETA, stalled; and the open provider batches.
 ``ops/grafana/draftfleet.json`` is a dashboard of these (every expression checked against a scrape
 by ``tests/test_metrics.py``).
 """
@@ -57,6 +57,19 @@ class FleetCollector:
                                       "(it runs commands on one thread: near 1, the fleet stops scaling)")
         if snap.redis is not None:
             redis_cpu.add_metric([], snap.redis.cpu_share)
+        batches = GaugeMetricFamily("draftfleet_batches_open", "Open provider batches (draftfleet worker batch)",
+                                    labels=["dataset", "backend"])
+        batch_prompts = GaugeMetricFamily("draftfleet_batch_prompts", "Prompts of the open provider batches, by the "
+                                          "provider's count (state: submitted, completed, failed)",
+                                          labels=["dataset", "backend", "state"])
+        open_by: dict[tuple[str, str], list] = {}
+        for b in snap.batches:
+            open_by.setdefault((b.dataset, b.backend), []).append(b)
+        for (dataset, backend), group in sorted(open_by.items()):
+            batches.add_metric([dataset, backend], len(group))
+            for state, n in (("submitted", sum(b.prompts for b in group)), ("completed", sum(b.completed for b in group)),
+                             ("failed", sum(b.failed for b in group))):
+                batch_prompts.add_metric([dataset, backend, state], n)
         for d in snap.datasets:
             for b in d.backends:
                 tps.add_metric([d.dataset, b.backend, "1m"], b.tps_1m)
@@ -97,4 +110,4 @@ class FleetCollector:
         for (kind, state), n in sorted(counts.items()):
             workers.add_metric([kind, state], n)
         yield from (tokens, responses, cost, depth, inflight, budget, spent, left, events, spend, cap, workers, tps, remaining,
-                    finish_s, finish_usd, eta, stalled, redis_cpu)
+                    finish_s, finish_usd, eta, stalled, redis_cpu, batches, batch_prompts)

@@ -41,6 +41,7 @@ def claims_by_kind(r: redis.Redis, datasets: list[str]) -> dict[str, int]:
             if holder is None:
                 continue
             kind = kind_of.get(rk.claim_holder(holder), "unknown")
+            kind = "cloud" if kind == "batch" else kind  # a batch worker consumes the cloud's queues
             out[kind] = out.get(kind, 0) + 1
     return out
 
@@ -48,7 +49,8 @@ def claims_by_kind(r: redis.Redis, datasets: list[str]) -> dict[str, int]:
 def idle_target(r: redis.Redis, kind: str, datasets: list[str]) -> dict[str, str]:
     """The datasets that no live worker of ``kind`` would take (reporting, following the dataset,
     neither paused nor waiting for its server), each with why: what a pivot to ``kind`` must warn of."""
-    reports = [w for w in worker_reports(r) if w.kind == kind]
+    takers = {kind, "batch"} if kind == "cloud" else {kind}  # a batch worker takes the cloud's datasets
+    reports = [w for w in worker_reports(r) if w.kind in takers]
     out = {}
     for ds in datasets:
         mine = [w for w in reports if ds in w.follows or ds in w.datasets]

@@ -9,6 +9,11 @@ running:
   else "not measured";
 - a cloud's price per million completion tokens: measured from the provider's own reported
   cost (prompt tokens included), else the configured prices ("configured");
+- a cloud with a batch API (``batch`` set; ``draftfleet worker batch``): a third side, kind
+  ``batch``: the tokens left at the batch price (``batch_prices()``, prompt tokens counted as on the
+  cloud side), in its completion window, or sooner at the provider's progress on the dataset's open
+  batches (requests back per second since submitted, applied to the prompts left; never past the
+  window). It is in no "all at once"; the headline names it where it is the cheapest way that costs money;
 - the tokens left: the rest of the budget, or the prompts left at the mean length, whichever
   runs out first. The budget's rest is admission's (``ledger.budget_use``): the stored records of
   every version and the paid turns of conversations not stored yet are spent; with less left than
@@ -25,6 +30,7 @@ API: :func:`plan_dataset` (pure, from figures) makes a :class:`DatasetPlan`; :fu
 
 from __future__ import annotations
 
+import re
 import time
 
 import msgspec
@@ -36,11 +42,12 @@ from rich.table import Table
 from rich.text import Text
 
 from draftfleet.assign import kinds_for
+from draftfleet.batches import open_batches
 from draftfleet.claims import worker_reports
 from draftfleet.ledger import BudgetUse, Ledger, budget_use
 from draftfleet.schemas.config import BudgetRule
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.schemas.records import WorkerReport
+from draftfleet.schemas.records import IMPORTED_BY, BatchSummary, WorkerReport
 
 WINDOW_S = 600
 ENGINES = ("sglang", "vllm")  # the GPU backends' names (a GPU worker's backend is its engine)
@@ -58,6 +65,46 @@ class Activity(msgspec.Struct, kw_only=True):
     busy_tokens: int = 0
     provider_tokens: int = 0
     provider_cost_usd: float = 0.0
+
+
+BATCH_ENTRY = " (batch)"  # the key of a backend's batch answers among a dataset's activity entries
+
+
+def note_activity(activity: dict[str, Activity], intervals: dict[str, list[tuple[float, float]]], rec,
+                  tokens: int) -> None:
+    """One stored record (``tokens``: what the budget counts of it) into its backend's activity. A
+    provider batch's answer (``batch_id`` set) goes to an entry of its own, kind ``batch``, in no busy
+    time: its cost is the batch price and its latency the batch's hours, which in the backend's own
+    entry would make the sync side look cheaper and slower than it is."""
+    batch = bool(getattr(rec, "batch_id", None))
+    name = rec.backend + BATCH_ENTRY if batch else rec.backend
+    act = activity.get(name)
+    if act is None:
+        act = activity[name] = Activity(backend=rec.backend, kind="batch" if batch else rec.backend_kind)
+    if rec.worker != IMPORTED_BY and not batch:
+        intervals.setdefault(name, []).append((rec.created_at - rec.latency_s, rec.created_at))
+        act.busy_tokens += tokens
+    if rec.cost_source == "provider":
+        act.provider_tokens += tokens
+        act.provider_cost_usd += rec.cost_usd
+
+
+def merge_activity(activity: dict[str, Activity], intervals: dict[str, list[tuple[float, float]]],
+                   part: dict[str, Activity], part_intervals: dict[str, list[tuple[float, float]]]) -> None:
+    """A worker process's share of a read (:func:`note_activity`'s) into the whole."""
+    for name, act in part.items():
+        acc = activity.setdefault(name, Activity(backend=act.backend, kind=act.kind))
+        acc.busy_tokens += act.busy_tokens
+        acc.provider_tokens += act.provider_tokens
+        acc.provider_cost_usd += act.provider_cost_usd
+    for name, spans in part_intervals.items():
+        intervals.setdefault(name, []).extend(spans)
+
+
+def activities(activity: dict[str, Activity], intervals: dict[str, list[tuple[float, float]]]) -> list[Activity]:
+    """The entries with their busy time, a backend's sync entry before its batch one."""
+    return [msgspec.structs.replace(a, busy_s=round(busy_seconds(intervals.get(name, [])), 3))
+            for name, a in sorted(activity.items(), key=lambda kv: (kv[1].backend, kv[1].kind == "batch"))]
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -96,13 +143,27 @@ class BackendMeasure(msgspec.Struct, kw_only=True):
     live_workers: int = 0  # live workers of this backend on this dataset
 
 
+class BatchMeasure(msgspec.Struct, kw_only=True):
+    """A cloud backend's batch API as a way to finish (``draftfleet worker batch``): the batch price per
+    completion Mtok (prompts included), the window, and the provider's progress on the open batches."""
+
+    backend: str
+    usd_per_mtok: float | None
+    price_source: str  # "measured (batch answers)", "batch price", "measured x batch_price_factor", "not priced"
+    window: str  # as configured ("24h")
+    window_s: float
+    progress_rps: float | None = None  # requests/s the open batches have come back at since submitted (None: none yet)
+    open_prompts: int = 0  # the prompts of its open batches on this dataset
+    live_workers: int = 0  # live batch workers of this backend on this dataset
+
+
 class Side(msgspec.Struct, kw_only=True):
     """One way to finish a dataset: one backend, or every measured one at once (``ALL_AT_ONCE``)."""
 
     backend: str
-    kind: str  # gpu, cloud, or both
+    kind: str  # gpu, cloud, batch (a cloud's batch API), or both
     tokens_per_s: float | None
-    rate_source: str  # "last 10 min", "run's mean", "not measured"
+    rate_source: str  # "last 10 min", "run's mean", "not measured"; a batch: "provider's progress", "the window"
     usd_per_mtok: float | None  # per million completion tokens, prompt tokens included
     price_source: str  # "measured" (the provider's reported cost), "configured", "local" (GPU), "not priced"
     time_s: float | None  # to finish there
@@ -120,12 +181,14 @@ class DatasetPlan(msgspec.Struct, kw_only=True):
     budget: BudgetUse | None  # what admission counts as spent and left (None: no budget)
     mean_tokens: float | None
     prompts_left: int | None  # None: not known here
+    in_batch: int = 0  # of prompts_left, those in open provider batches (neither queued nor stored)
     remaining_tokens: int | None  # to generate: the budget's rest or the prompts left, whichever is first
     sides: list[Side]
     at_once: Side | None  # every measured side together (only with both a GPU and a cloud side)
     assigned: list[str]
     workers_known: bool  # False: no worker reports were read (no Redis): no ETA, no stall
     eta_s: float | None  # from the live, assigned sides only
+    eta_kinds: list[str] = []  # the kinds of those sides (a live batch worker's is "batch")
     stalled: str | None  # why there is no ETA although work is left ("no live gpu worker")
 
 
@@ -157,10 +220,33 @@ def _finish(remaining: int | None, tps: float | None, usd: float | None) -> tupl
     return time_s, cost
 
 
+def _batch_side(b: BatchMeasure, remaining: int | None, prompts_left: int | None, mean: float | None,
+                assigned: set[str]) -> Side:
+    """Finishing by batch: the money at the batch price; the time the window, or sooner at the rate the
+    open batches have come back at, applied to the prompts left (the tokens left at the mean length, else
+    the prompts left); never past the window: a batch submitted now is done or expired by then."""
+    cost = round(remaining * b.usd_per_mtok / 1e6, 4) if remaining is not None and b.usd_per_mtok is not None else None
+    if remaining is None and prompts_left is None:
+        time_s = None  # nothing known of what is left
+    elif remaining == 0 or (remaining is None and prompts_left == 0):
+        time_s = 0
+    else:
+        todo = remaining / mean if remaining is not None and mean else prompts_left  # prompts
+        time_s = round(min(b.window_s, todo / b.progress_rps) if b.progress_rps and todo is not None else b.window_s)
+    tps = b.progress_rps * mean if b.progress_rps and mean else None
+    return Side(backend=b.backend, kind="batch", tokens_per_s=round(tps, 1) if tps else None,
+                rate_source="provider's progress" if b.progress_rps else f"the {b.window} window",
+                usd_per_mtok=round(b.usd_per_mtok, 4) if b.usd_per_mtok is not None else None,
+                price_source=b.price_source, time_s=time_s, cost_usd=cost, assigned="cloud" in assigned,
+                live_workers=b.live_workers)
+
+
 def plan_dataset(dataset: str, *, responses: int, completion_tokens: int, budget: BudgetUse | None,
                  prompts_left: int | None, measures: list[BackendMeasure], assigned: set[str],
-                 closed: bool = False, workers_known: bool = True) -> DatasetPlan:
-    """The plan of one dataset from its figures (no I/O): see the module's docstring."""
+                 closed: bool = False, workers_known: bool = True,
+                 batches: list[BatchMeasure] | None = None, in_batch: int = 0) -> DatasetPlan:
+    """The plan of one dataset from its figures (no I/O): see the module's docstring. ``in_batch``:
+    of ``prompts_left``, those in open provider batches (a dataset with only those left is not done)."""
     mean = completion_tokens / responses if responses else None
     done = prompts_left == 0 and responses > 0
     full = budget is not None and budget.full
@@ -178,7 +264,10 @@ def plan_dataset(dataset: str, *, responses: int, completion_tokens: int, budget
                           rate_source=rate_source, usd_per_mtok=round(usd, 4) if usd is not None else None,
                           price_source=price_source, time_s=time_s, cost_usd=cost, assigned=m.kind in assigned,
                           live_workers=m.live_workers))
-    measured = [s for s in sides if s.tokens_per_s]
+    # A batch is the third way: about half the money, hours. It is never in "all at once": its rate is
+    # a provider's progress on work already submitted, not a speed that more work would add to.
+    sides += [_batch_side(b, remaining, prompts_left, mean, assigned) for b in sorted(batches or [], key=lambda b: b.backend)]
+    measured = [s for s in sides if s.tokens_per_s and s.kind != "batch"]
     at_once = None
     if {s.kind for s in measured} >= {"gpu", "cloud"}:
         total = sum(s.tokens_per_s for s in measured)
@@ -191,25 +280,34 @@ def plan_dataset(dataset: str, *, responses: int, completion_tokens: int, budget
                        else "configured", time_s=time_s, cost_usd=cost, assigned=True,
                        live_workers=sum(s.live_workers for s in measured))
     state = "closed" if closed else "done" if done else "full" if full else "open"
-    eta, stalled = None, None
+    eta, stalled, eta_kinds = None, None, []
     if state == "open" and workers_known and remaining:
         live = [s for s in sides if s.assigned and s.live_workers > 0]
         if not live:
             stalled = f"no live {' or '.join(sorted(assigned))} worker" if assigned else "assigned to no worker kind"
         else:
+            # The live sides' rates added up (a live batch worker's is its provider's progress), and
+            # with a live batch worker never later than its side's time: it alone finishes by then,
+            # within its window (so with no progress yet, the ETA is the window).
             tps = sum(s.tokens_per_s or 0 for s in live)
             eta = round(remaining / tps) if tps else None
+            by_batch = [s.time_s for s in live if s.kind == "batch" and s.time_s is not None]
+            if by_batch:
+                eta = min(by_batch) if eta is None else min(eta, *by_batch)
+            eta_kinds = sorted({s.kind for s in live})
     return DatasetPlan(dataset=dataset, state=state, responses=responses, completion_tokens=completion_tokens,
                        budget_tokens=budget.budget_tokens if budget else None, budget=budget, mean_tokens=round(mean, 1) if mean else None,
-                       prompts_left=prompts_left, remaining_tokens=remaining, sides=sides, at_once=at_once,
-                       assigned=sorted(assigned), workers_known=workers_known, eta_s=eta, stalled=stalled)
+                       prompts_left=prompts_left, in_batch=in_batch, remaining_tokens=remaining, sides=sides,
+                       at_once=at_once,
+                       assigned=sorted(assigned), workers_known=workers_known, eta_s=eta, stalled=stalled,
+                       eta_kinds=eta_kinds)
 
 
 # -- gathering the figures ---------------------------------------------------------------------------
 def is_live_on(w: WorkerReport, dataset: str) -> bool:
     """A worker that takes this dataset's tasks now: reporting, allowed the dataset, neither paused
     nor waiting for its server (a worker publishes its report as soon as its assignment changes)."""
-    return w.kind in ("gpu", "cloud") and dataset in w.datasets and not w.paused and not w.waiting
+    return w.kind in ("gpu", "cloud", "batch") and dataset in w.datasets and not w.paused and not w.waiting
 
 
 def configured_kinds(cfg: FleetConfig | None) -> dict[str, str]:
@@ -239,7 +337,8 @@ def plan_from_redis(cfg: FleetConfig, r: redis.Redis, dataset: str, *, budget: B
                     reports: list[WorkerReport], totals: dict[str, dict[str, int]] | None = None,
                     closed: bool | None = None, now: float | None = None) -> DatasetPlan:
     """The plan from Redis alone (quick): the ledger's counters, rates and busy time, the worker
-    reports and the assignment. ``prompts_left``: the queued and held tasks; ``budget``: the
+    reports and the assignment. ``prompts_left``: the queued and held tasks (the open batches' are
+    added here); ``budget``: the
     ledger's ``budget_use`` (None: no budget)."""
     now = time.time() if now is None else now
     ledger = Ledger(r)
@@ -258,11 +357,66 @@ def plan_from_redis(cfg: FleetConfig, r: redis.Redis, dataset: str, *, budget: B
             run_tps=t.get("busy_tokens", 0) / busy_s if busy_s >= 1 else None,
             provider_tokens=t.get("provider_tokens", 0), provider_cost_usd=t.get("provider_cost_micro_usd", 0) / 1e6,
             configured_usd_per_mtok=_configured_price(cfg, name, prompt / done if done else 0.0),
-            live_workers=sum(1 for w in reports if w.backend == name and is_live_on(w, dataset))))
+            live_workers=sum(1 for w in reports if w.backend == name and w.kind == kinds[name]
+                             and is_live_on(w, dataset))))
+    # a prompt in an open batch is neither queued nor held: it is left all the same
+    open_ = open_batches(r, dataset)
+    in_batch = sum(b.held_prompts for b in open_)
     return plan_dataset(dataset, responses=sum(t.get("responses", 0) for t in totals.values()), completion_tokens=done,
-                        budget=budget, prompts_left=prompts_left, measures=measures,
+                        budget=budget, prompts_left=prompts_left + in_batch, measures=measures,
                         assigned=kinds_for(r, dataset),
-                        closed=ledger.closed_at(dataset) is not None if closed is None else closed)
+                        closed=ledger.closed_at(dataset) is not None if closed is None else closed,
+                        batches=batch_measures(cfg, open_, reports, dataset, measures, prompt / done if done else 0.0,
+                                               now), in_batch=in_batch)
+
+
+def window_seconds(window: str) -> float:
+    """A batch API's completion window (``"24h"``; also ``m``, ``s``, ``d``) in seconds; 24 h if unreadable
+    (the config takes only ``"24h"`` for a batch API)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", window or "")
+    if m is None:
+        return 86400.0
+    return float(m[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "": 3600}[m[2]]
+
+
+def batch_measures(cfg: FleetConfig | None, open_: list[BatchSummary], reports: list[WorkerReport], dataset: str,
+                   measures: list[BackendMeasure], prompt_per_completion: float, now: float | None = None,
+                   answered: dict[str, Activity] | None = None) -> list[BatchMeasure]:
+    """Each cloud backend with a batch API: its batch price (the provider's own cost of its batch
+    answers, ``answered``, where they carry one; else configured; else the sync side's measured
+    price x ``batch_price_factor``), its window, and the progress of the dataset's open batches
+    (``open_``, from ``rk.BATCHES``)."""
+    if cfg is None:
+        return []
+    now = time.time() if now is None else now
+    answered = answered or {}
+    measured = {m.backend: m for m in measures}
+    out = []
+    for name, c in sorted(cfg.clouds.items()):
+        if c.batch is None:
+            continue
+        pin, pout = c.batch_prices()
+        m, a = measured.get(name), answered.get(name)
+        if a is not None and a.provider_tokens:
+            usd, source = a.provider_cost_usd / a.provider_tokens * 1e6, "measured (batch answers)"
+        elif pin or pout:
+            usd, source = pout + pin * prompt_per_completion, "batch price"
+        elif m is not None and m.provider_tokens:
+            usd, source = m.provider_cost_usd / m.provider_tokens * 1e6 * c.batch_price_factor, "measured x batch_price_factor"
+        else:
+            usd, source = None, "not priced"
+        # the provider's progress: the requests come back over the open batches, per second since the
+        # first was submitted (none back yet, or no open batch: the window)
+        mine = [b for b in open_ if b.backend == name]
+        done = sum(b.completed for b in mine)
+        since = min((b.submitted_at for b in mine), default=now)
+        rps = done / (now - since) if done and now > since else None
+        out.append(BatchMeasure(backend=name, usd_per_mtok=usd, price_source=source, window=c.completion_window,
+                                window_s=window_seconds(c.completion_window), progress_rps=rps,
+                                open_prompts=sum(b.prompts for b in mine),
+                                live_workers=sum(1 for w in reports if w.kind == "batch" and w.backend == name
+                                                 and is_live_on(w, dataset))))
+    return out
 
 
 def budget_from_store(budget: int | None, stored: int, paid: int, max_tokens: int | None, turns: int = 1,
@@ -279,10 +433,12 @@ def plan_from_store(cfg: FleetConfig | None, f: StoreFigures, r: redis.Redis | N
     """The plan from the store's figures (counts, busy time, provider costs), with the ledger's
     recent rates, the worker reports and the assignment when Redis is at hand (``r``)."""
     reports = worker_reports(r) if r is not None else []
-    kinds = _backends(cfg, reports, {a.backend: a.kind for a in f.activity})
+    # a backend's batch answers are its batch side's figures, not its own (:func:`note_activity`)
+    activity = {a.backend: a for a in f.activity if a.kind != "batch"}
+    answered = {a.backend: a for a in f.activity if a.kind == "batch"}
+    kinds = _backends(cfg, reports, {a.backend: a.kind for a in activity.values()})
     names = sorted(kinds)
     rates = Ledger(r).rates(f.dataset, names, [60, WINDOW_S]) if r is not None and names else {}
-    activity = {a.backend: a for a in f.activity}
     ratio = f.prompt_tokens / f.completion_tokens if f.completion_tokens else 0.0
     measures = []
     for name in names:
@@ -293,12 +449,17 @@ def plan_from_store(cfg: FleetConfig | None, f: StoreFigures, r: redis.Redis | N
             run_tps=a.busy_tokens / a.busy_s if a and a.busy_s >= 1 else None,
             provider_tokens=a.provider_tokens if a else 0, provider_cost_usd=a.provider_cost_usd if a else 0.0,
             configured_usd_per_mtok=_configured_price(cfg, name, ratio),
-            live_workers=sum(1 for w in reports if w.backend == name and is_live_on(w, f.dataset))))
+            live_workers=sum(1 for w in reports if w.backend == name and w.kind == kinds[name]
+                             and is_live_on(w, f.dataset))))
     closed = Ledger(r).closed_at(f.dataset) is not None if r is not None else False
+    open_ = open_batches(r, f.dataset) if r is not None else []
     return plan_dataset(f.dataset, responses=f.responses, completion_tokens=f.completion_tokens,
                         budget=f.budget, prompts_left=f.prompts_left, measures=measures,
                         assigned=kinds_for(r, f.dataset) if r is not None else {"gpu", "cloud"},
-                        closed=closed, workers_known=r is not None)
+                        closed=closed, workers_known=r is not None,
+                        batches=batch_measures(cfg, open_, reports, f.dataset, measures, ratio, answered=answered),
+                        # the store's prompts left (not stored) hold the open batches' already
+                        in_batch=sum(b.held_prompts for b in open_) if f.prompts_left is not None else 0)
 
 
 # -- rendering ----------------------------------------------------------------------------------------
@@ -358,15 +519,40 @@ def headline(p: DatasetPlan) -> str:
             left += f" ({tokens(b.paid_tokens)} of it spent in paid turns not stored yet)"
     if p.prompts_left is not None:
         left += f", {p.prompts_left:,} prompts left"
+        if p.in_batch:
+            left += f" ({p.in_batch:,} of them in open batches)"
     if p.stalled:
         now = f"stalled: {p.stalled}"
     elif not p.workers_known:
         now = "workers not known (no Redis)"
     elif p.eta_s is not None:
-        now = f"ETA {duration(p.eta_s)} ({'+'.join(p.assigned)})"
+        now = f"ETA {duration(p.eta_s)} ({'+'.join(p.eta_kinds or p.assigned)})"
     else:
         now = "ETA - (no rate yet)"
-    return f"{p.dataset}: {left}; {now}"
+    return f"{p.dataset}: {left}; {now}" + batch_note(p)
+
+
+def batch_note(p: DatasetPlan) -> str:
+    """``; by batch on openrouter: $5.32, about half the money, within a day`` where a batch API is the
+    cheapest way that costs money (the GPUs cost none, but take their time): priced, and below every
+    priced cloud side; empty otherwise."""
+    batches = [s for s in p.sides if s.kind == "batch" and s.cost_usd is not None]
+    if p.state != "open" or not p.remaining_tokens or not batches:
+        return ""
+    b = min(batches, key=lambda s: (s.cost_usd, s.time_s if s.time_s is not None else float("inf")))
+    clouds = [s.cost_usd for s in p.sides if s.kind == "cloud" and s.cost_usd is not None]
+    if clouds and b.cost_usd >= min(clouds):
+        return ""
+    share = b.cost_usd / min(clouds) if clouds and min(clouds) > 0 else None
+    money = ("" if share is None else ", about half the money" if 0.4 <= share <= 0.6
+             else f", {share:.0%} of the cloud's money")
+    if b.time_s is None:
+        when = ""
+    elif b.rate_source == "provider's progress":
+        when = f", in about {duration(b.time_s)} at the provider's progress"
+    else:
+        when = ", within a day" if b.time_s == 86400 else f", within {duration(b.time_s)}"
+    return f"; by batch on {b.backend}: ${usd(b.cost_usd)}{money}{when}"
 
 
 def _side_row(s: Side, workers_known: bool) -> list[str]:
@@ -374,14 +560,19 @@ def _side_row(s: Side, workers_known: bool) -> list[str]:
     cost = "-" if s.cost_usd is None else usd(s.cost_usd)
     if s.kind == "both":
         how = "every side above at its rate"
+    elif s.kind == "batch":
+        price = "no price" if s.usd_per_mtok is None else f"${usd(s.usd_per_mtok)}/Mtok {s.price_source}"
+        live = ("workers not known" if not workers_known else f"{s.live_workers} batch worker(s)" if s.live_workers
+                else "no batch worker")
+        how = f"time: {s.rate_source}; {price}; {live}" + ("" if s.assigned else ", not assigned")
     else:
         price = ("no money per token" if s.price_source == "local" else "no price" if s.usd_per_mtok is None
                  else f"${usd(s.usd_per_mtok)}/Mtok {s.price_source}")
         live = ("workers not known" if not workers_known else f"{s.live_workers} live" if s.live_workers
                 else "none live")
         how = f"rate: {s.rate_source}; {price}; {live}" + ("" if s.assigned else ", not assigned")
-    return [escape(f"{s.backend} ({s.kind})" if s.kind != "both" else s.backend), tps, duration(s.time_s), cost,
-            escape(how)]
+    label = s.backend if s.kind == "both" else f"{s.backend} (batch API)" if s.kind == "batch" else f"{s.backend} ({s.kind})"
+    return [escape(label), tps, duration(s.time_s), cost, escape(how)]
 
 
 def render_plans(plans: list[DatasetPlan]) -> Group:

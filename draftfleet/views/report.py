@@ -29,8 +29,8 @@ from draftfleet.ledger import BudgetUse
 from draftfleet.schemas.records import IMPORTED_BY
 from draftfleet.store import Store
 from draftfleet.versions import Selection, select
-from draftfleet.views.plan import (Activity, DatasetPlan, StoreFigures, budget_from_store, busy_seconds, duration,
-                                   headline, tokens, usd)
+from draftfleet.views.plan import (Activity, DatasetPlan, StoreFigures, activities, budget_from_store, duration,
+                                   headline, merge_activity, note_activity, tokens, usd)
 
 PARALLEL_FROM = 5000  # record files; below this a process pool costs more than it saves
 MAX_POINTS = 400  # points per time series drawn (binned): the SVG stays small whatever the store holds
@@ -50,6 +50,7 @@ class _Row(msgspec.Struct):
     latency_s: float
     worker: str
     settings_id: str
+    batch_id: str | None = None  # made by a provider batch (its price and hours are the batch side's)
     turns: list[msgspec.Raw] = []  # a conversation's turns, left undecoded: only their number is drawn
 
 
@@ -100,15 +101,7 @@ def _read(store: Store, paths: list[str], settings_id: str | None) -> Columns:
         c.keys.append(path.rsplit("/", 1)[-1][:-5])
         c.prompt_tokens += r.prompt_tokens
         c.units += len(r.turns) or 1
-        act = c.activity.get(r.backend)
-        if act is None:
-            act = c.activity[r.backend] = Activity(backend=r.backend, kind=r.backend_kind)
-        if r.worker != IMPORTED_BY:
-            c.intervals.setdefault(r.backend, []).append((r.created_at - r.latency_s, r.created_at))
-            act.busy_tokens += r.completion_tokens
-        if r.cost_source == "provider":
-            act.provider_tokens += r.completion_tokens
-            act.provider_cost_usd += r.cost_usd
+        note_activity(c.activity, c.intervals, r, r.completion_tokens)
     return c
 
 
@@ -131,20 +124,13 @@ def read_columns(store: Store, dataset: str, processes: int | None = None, selec
         out.other_tokens += p.other_tokens
         out.prompt_tokens += p.prompt_tokens
         out.units += p.units
-        for name, act in p.activity.items():
-            acc = out.activity.setdefault(name, Activity(backend=name, kind=act.kind))
-            acc.busy_tokens += act.busy_tokens
-            acc.provider_tokens += act.provider_tokens
-            acc.provider_cost_usd += act.provider_cost_usd
-        for name, spans in p.intervals.items():
-            out.intervals.setdefault(name, []).extend(spans)
+        merge_activity(out.activity, out.intervals, p.activity, p.intervals)
     return out
 
 
 def store_figures(c: Columns, dataset: str, budget: BudgetUse | None, prompt_keys: set[str] | None) -> StoreFigures:
     """What the plan needs, from the same read (the report reads the store once)."""
-    activity = [msgspec.structs.replace(a, busy_s=busy_seconds(c.intervals.get(a.backend, [])))
-                for a in sorted(c.activity.values(), key=lambda a: a.backend)]
+    activity = activities(c.activity, c.intervals)
     return StoreFigures(dataset=dataset, responses=len(c.tokens), completion_tokens=sum(c.tokens),
                         prompt_tokens=c.prompt_tokens, budget=budget,
                         prompts_left=len(prompt_keys - set(c.keys)) if prompt_keys is not None else None,
@@ -395,9 +381,11 @@ def plan_table(p: DatasetPlan) -> str:
         price = {"local": "local", "not priced": "not priced"}.get(
             s.price_source, f"{usd(s.usd_per_mtok)} ({s.price_source})" if s.usd_per_mtok is not None else "-")
         rows.append("<tr>" + "".join(f"<td>{_e(v)}</td>" for v in (
-            f"{s.backend} ({s.kind})", f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-", s.rate_source, price,
+            f"{s.backend} (batch API)" if s.kind == "batch" else f"{s.backend} ({s.kind})",
+            f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-", s.rate_source, price,
             duration(s.time_s), "-" if s.cost_usd is None else usd(s.cost_usd),
-            "" if s.kind == "both" else (f"{s.live_workers} live" if p.workers_known else "not known")
+            "" if s.kind == "both" else (f"{s.live_workers} {'batch worker(s)' if s.kind == 'batch' else 'live'}"
+                                         if p.workers_known else "not known")
             + ("" if s.assigned else ", not assigned"))) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("to finish on", "tok/s", "rate from", "$/Mtok", "time", "cost $",
                                                "workers"))
@@ -441,6 +429,7 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
              f"<p>{_e(summary)}</p>"]
     if p is not None:
         parts.append("<h3>plan: to finish</h3>" + plan_table(p))
+    parts.append(batch_rows(store, dataset))
     if not c.tokens:
         parts.append('<p class="note">no records yet</p>')
         return "".join(parts)
@@ -468,6 +457,27 @@ def dataset_section(store: Store, dataset: str, *, max_tokens: int | None, budge
                      "stored, not exported (capture each unit again):</p><ul>"
                      + "".join(f'<li class="stalled">{_e(why)}</li>' for why in bad) + "</ul>")
     return "".join(parts)
+
+
+def batch_rows(store: Store, dataset: str) -> str:
+    """The dataset's provider batches (open ones first), from the store: what each held and became."""
+    batches = [b for b in store.batches() + store.batches(closed=True) if b.dataset == dataset]
+    if not batches:
+        return ""
+    head = "".join(f"<th>{h}</th>" for h in ("batch", "backend", "provider id", "status", "prompts", "stored",
+                                               "back to queue", "failed", "submitted", "note"))
+    rows = []
+    for b in batches:
+        states = [q.state for q in b.requests]
+        note = "open" if not b.closed else ""
+        if b.cancel_requested:
+            note = ("cancel requested" if b.cancellable else "could not be cancelled: waited for") + (
+                "" if b.closed else ", open")
+        rows.append("<tr>" + "".join(f"<td>{_e(v)}</td>" for v in (
+            b.id, b.backend, b.provider_id or "-", b.status, len(states), states.count("stored"),
+            states.count("returned"), states.count("failed"),
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(b.submitted_at)), (b.error or note)[:200])) + "</tr>")
+    return f"<h3>provider batches</h3><table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def _quarantined(store: Store, dataset: str) -> dict[str, int]:

@@ -21,11 +21,13 @@ from rich.text import Text
 
 from draftfleet import redis_keys as rk
 from draftfleet.assign import kinds_for, live_budgets, published
+from draftfleet.batches import open_batches
 from draftfleet.claims import worker_reports
 from draftfleet.ledger import BudgetUse, Ledger
 from draftfleet.queues import depth, held, next_answers
 from draftfleet.schemas.config import FleetConfig
-from draftfleet.views.plan import DatasetPlan, plan_from_redis, render_plans, usd
+from draftfleet.schemas.records import BatchSummary
+from draftfleet.views.plan import DatasetPlan, duration, plan_from_redis, render_plans, usd
 from draftfleet.views.redis_load import BUSY_SHARE, RedisLoad, redis_load
 
 
@@ -64,13 +66,14 @@ class DatasetRow(msgspec.Struct, kw_only=True):
     share_done: float | None  # of the budget, spent as admission counts it (``budget``)
     remaining_tokens: int | None  # of the budget
     closed: bool
-    finished: bool  # nothing queued or held: every enqueued prompt has an outcome
+    finished: bool  # nothing queued, held or in an open batch: every enqueued prompt has an outcome
     tps_1m: float
     tps_10m: float
     eta_s: float | None  # from the assigned kinds' live workers only (plan.py)
     stalled: str | None = None  # why there is no ETA although work is left ("no live gpu worker")
     backends: list[BackendRow]
     retries: int
+    in_batch: int = 0  # prompts in open provider batches (draftfleet worker batch): neither queued nor held
     failures: int
     budget: BudgetUse | None = None  # spent (counted records, paid turns not stored yet), left, full
 
@@ -107,6 +110,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     counters_built: bool = True
     # the shared Redis's share of a core lately: the fleet stops scaling where it nears 1 (ops/scaling.md §1)
     redis: RedisLoad | None = None
+    batches: list[BatchSummary] = []  # open provider batches (draftfleet worker batch)
 
 
 def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None) -> Snapshot:
@@ -158,7 +162,7 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
             inflight=inflight, responses=responses, completion_tokens=done,
             budget_tokens=budget, share_done=round(use.spent_tokens / budget, 4) if use and budget else None,
             remaining_tokens=use.left_tokens if use else None, budget=use, closed=closed,
-            finished=not closed and responses > 0 and queued + holds == 0,
+            finished=not closed and responses > 0 and queued + holds + plan.in_batch == 0, in_batch=plan.in_batch,
             tps_1m=round(sum(b.tps_1m for b in backends), 1), tps_10m=round(tps_10m, 1),
             eta_s=plan.eta_s, stalled=plan.stalled, backends=backends, retries=sum(v for k, v in events.items() if k.startswith("retry:")),
             failures=sum(v for k, v in events.items() if k.startswith("failed:")),
@@ -167,7 +171,8 @@ def snapshot(cfg: FleetConfig, r: redis.Redis, datasets: list[str] | None = None
                       held_usd=ledger.spend_held_usd(name)) for name, cb in sorted(cfg.clouds.items())]
     return Snapshot(at=now, workers=workers, datasets=rows, spend=spend,
                     capture=capture_rows(r, [n for n, _ in chosen], {d.dataset: d.remaining_tokens for d in rows}),
-                    plans=plans, counters_built=ledger.counters_built(), redis=redis_load(r))
+                    plans=plans, counters_built=ledger.counters_built(), redis=redis_load(r),
+                    batches=[b for b in open_batches(r) if b.dataset in {n for n, _ in chosen}])
 
 
 def _max_tokens(cfg: FleetConfig, live: dict, dataset: str) -> int:
@@ -264,7 +269,8 @@ def render(snap: Snapshot) -> Group:
         budget = f"{100 * (d.share_done or 0):.0f}% of {_n(d.budget_tokens)}" if d.budget_tokens else "-"
         if d.budget is not None and d.budget.rule == "whole":
             budget += " (whole)"
-        dt.add_row(f"{d.dataset} ({','.join(d.assigned) or 'none'})", _n(d.queue_depth), _n(d.inflight),
+        running = _n(d.inflight) + (f" (+{d.in_batch:,} in batches)" if d.in_batch else "")
+        dt.add_row(f"{d.dataset} ({','.join(d.assigned) or 'none'})", _n(d.queue_depth), running,
                    _n(d.responses), _n(d.completion_tokens), budget, _n(d.tps_10m), _eta(d))
     bt = _table("by backend (tok/s over 1 and 10 min, or the run's age if shorter)",
                 [("dataset / backend", False), ("done", True), ("tokens", True), ("1m", True), ("10m", True),
@@ -279,6 +285,8 @@ def render(snap: Snapshot) -> Group:
         st.add_row(s.backend, _usd(s.spent_usd), _usd(s.held_usd) if s.cap_usd is not None else "-",
                    _usd(s.cap_usd) if s.cap_usd is not None else "-")
     plan = Group(Text("plan: to finish each dataset (draftfleet plan)", style="italic"), render_plans(snap.plans))
+    if snap.batches:
+        st = Group(st, batch_table(snap.batches, snap.at))
     if snap.redis is not None:
         load = snap.redis
         over = "since it started" if load.since_start else f"over the last {load.window_s:.0f} s"
@@ -301,3 +309,17 @@ def render(snap: Snapshot) -> Group:
                    _n(round(c.bytes_per_token)) if c.bytes_per_token is not None else "-",
                    f"{c.projected_bytes / 1e9:,.2f} GB" if c.projected_bytes is not None else "-")
     return Group(wt, dt, bt, st, ct, plan)
+
+
+def batch_table(batches: list[BatchSummary], now: float) -> Table:
+    """The open provider batches: which, where, how far, how old, and whether a pivot can cancel them."""
+    bt = _table("open provider batches (draftfleet worker batch)",
+                [("dataset / backend", False), ("batch", False), ("status", False), ("prompts", True),
+                 ("done", True), ("failed", True), ("age", True), ("window", False), ("cancel", False)])
+    for b in batches:
+        cancel = ("requested" if b.cancel_requested else "can") if b.cancellable else (
+            "[yellow]cannot: waited for[/]" if b.cancel_requested else "cannot")
+        bt.add_row(f"{escape(b.dataset)} / {escape(b.backend)}", escape(b.provider_id or f"{b.id} (submitting)"),
+                   escape(b.status), _n(b.prompts), _n(b.completed), _n(b.failed),
+                   duration(max(0.0, now - b.submitted_at)), escape(b.window), cancel)
+    return bt
