@@ -22,7 +22,7 @@ from draftfleet import redis_keys as rk
 from draftfleet.assign import assigned, published
 from draftfleet.claims import CLAIM_TTL_S, Claims
 from draftfleet.identity import task_problem
-from draftfleet.ledger import ADMITTED, CLAIMED, LOST, WAIT, Admission, Ledger, SpendHold, publish_value
+from draftfleet.ledger import ADMITTED, CLAIMED, LOST, WAIT, Admission, Ledger, SpendHold, micro_usd, publish_value
 from draftfleet.reconcile import Reconciler, ensure_counters
 from draftfleet.schemas.config import FleetConfig
 from draftfleet.schemas.records import ChargeRecord, GenerationSettings, PromptTask, ResponseRecord, WorkerReport
@@ -152,15 +152,22 @@ class Runtime:
     def release(self, task: PromptTask, token: str) -> None:
         self.claims.release(rk.claim(task.dataset, task.key), task.dataset, token)
 
-    def finish(self, record: ResponseRecord, token: str, lease: Lease | None) -> None:
+    def finish(self, record: ResponseRecord, token: str, lease: Lease | None,
+               holds: list[SpendHold] | tuple[SpendHold, ...] = ()) -> None:
         """The stored single answer is counted, its reservation settled (or its lease's slot taken
-        out) and its claim released in the tally's next batch (workers/tally.py). A paid one is
-        counted now: when that fails, it may have landed all the same, so its lease's slot is
-        neither freed nor given back (``Leases.lost``)."""
+        out), its spend ``holds`` let go (in the step its cost enters the spend) and its claim
+        released in the tally's next batch (workers/tally.py): until then the cap counts the holds.
+        A paid one on a capped backend whose cost its holds do not cover (it held nothing: no
+        prices, the cap is checked against the spend, :meth:`check_spend`; or the provider billed
+        more than the configured prices) is counted now, so that the cap sees it before this
+        worker's next request: when that fails, it may have landed all the same, so its lease's
+        slot is neither freed nor given back (``Leases.lost``)."""
         if lease is not None:
             self.leases.hand(lease)
+        at_once = (self.spend_cap is not None and bool(record.cost_usd)
+                   and micro_usd(record.cost_usd) > sum(h.micro_usd for h in holds))
         try:
-            self.tally.add(record, rk.claim(record.dataset, record.key), token, lease)
+            self.tally.add(record, rk.claim(record.dataset, record.key), token, lease, holds=holds, at_once=at_once)
         except BaseException:
             if lease is not None:
                 self.leases.unhand(lease)

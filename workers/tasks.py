@@ -402,13 +402,17 @@ def execute(task_self, payload: object) -> str:
             if record.truncated:
                 rt.ledger.event(task.dataset, "truncated")
         else:  # counted with the worker's next batch, its event too (workers/tally.py)
+            holds = list(spending.holds) if spending is not None else []
             try:
-                rt.finish(record, token, lease)
-            except BaseException:
+                # its spend holds go with its count, in the step its cost enters the spend
+                rt.finish(record, token, lease, holds)
+            except BaseException:  # (a count at once that failed: its holds stay, for the reconciler)
                 uncertain = True
                 raise
             handed = True
-        if spending is not None:  # a paid answer is counted at once (tally.py): its cost is in the spend
+            if spending is not None:
+                spending.holds.clear()  # the tally's now
+        if spending is not None:  # a conversation's turns are in the spend (prepaid, counted): its holds go
             rt.release_spend(spending.holds)
         log.info("stored %s %s: %d tokens from %s in %.2fs (%s, attempt %d%s)", task.dataset, task.source,
                  record.completion_tokens, record.backend, record.latency_s, record.finish_reason, record.attempts,
