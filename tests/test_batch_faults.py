@@ -219,15 +219,16 @@ def test_a_submission_applied_but_its_reply_lost_is_found_by_its_metadata_not_su
     assert after[0]["call"] == "list"  # found again by its metadata before anything else
 
 
+@pytest.mark.parametrize("shape", ["openai", "openrouter"])
 def test_no_credits_on_submission_pauses_the_worker_and_the_batch_is_submitted_once_after(
-        tmp_path, redis_server, tokenizer_dir, emulator_factory, workers):
-    """OpenRouter's 402 (no credits) on the submission halts the worker as the cloud worker halts
-    (paused, nothing failed); the batch, recorded before it was submitted, is submitted once after the
-    pause (``pause_s``), never while it lasts."""
-    emu, stats, logs = _run(tmp_path, redis_server, tokenizer_dir, emulator_factory, workers, "openrouter", 4,
+        tmp_path, redis_server, tokenizer_dir, emulator_factory, workers, shape):
+    """No credits on the submission (OpenRouter's 402; OpenAI's 429 ``insufficient_quota``, which no
+    wait cures) halts the worker as the cloud worker halts (paused, nothing failed); the batch, recorded
+    before it was submitted, is submitted once after the pause (``pause_s``), never while it lasts."""
+    emu, stats, logs = _run(tmp_path, redis_server, tokenizer_dir, emulator_factory, workers, shape, 4,
                             ("create:402",))
     assert "STOPPED CONSUMING" in logs and "payment_required" in logs
     (i,) = [k for k, x in enumerate(stats["calls"]) if x["fault"] == "402"]
-    assert stats["calls"][i]["status"] == 402
+    assert stats["calls"][i]["status"] == (429 if shape == "openai" else 402)
     nxt = next(x for x in stats["calls"][i + 1:] if x["call"] == "create")
     assert nxt["at"] - stats["calls"][i]["at"] >= 2.0  # the config's pause_s

@@ -78,6 +78,9 @@ class CloudChat:
         if "max_tokens_exceeded" in kinds:
             return Halt("max_tokens_exceeded", f"{self.name}: max_tokens is over {self.cfg.model}'s output limit "
                         f"(400 max_tokens_exceeded: {message}): lower datasets[].max_tokens for this backend")
+        if "insufficient_quota" in kinds:  # OpenAI's "no credits" is a 429 that no wait cures: as a 402
+            return Halt("payment_required", f"{self.name}: the account's quota is used up ({status} "
+                        f"insufficient_quota): {message}")
         if code == 401:
             return Halt("unauthorized", f"{self.name}: the API key was refused (401): {message}")
         if code == 402:
