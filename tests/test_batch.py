@@ -4,8 +4,10 @@ whatever happens to the worker or to Redis; budgets and caps hold as for the oth
 
 from __future__ import annotations
 
+import json
 import signal
 
+import httpx
 import msgspec
 import pytest
 
@@ -122,11 +124,14 @@ def test_kill_9_with_a_batch_open_then_a_restart_submits_nothing_twice(tmp_path,
     assert totals.get("paid_tokens", 0) == 0
 
 
+@pytest.mark.parametrize("later", [0, 120])
 def test_a_restart_between_recording_and_submitting_finds_the_batch_at_the_provider(tmp_path, redis_server,
-                                                                                     tokenizer_dir, emulator_factory):
+                                                                                     tokenizer_dir, emulator_factory,
+                                                                                     later):
     """The provider has the batch (submitted with the fleet's id in its metadata) but the store's record
     has no provider id (the worker died before writing it): the next worker finds it and never submits it
-    again."""
+    again, also when ``later`` batches made since on the account (newest first) put it past the list's
+    first page."""
     from draftfleet.schemas.config import load_config
     from draftfleet.workers.batch import BatchWorker, request_body
     from draftfleet.workers.batch_api import batch_client
@@ -146,9 +151,21 @@ def test_a_restart_between_recording_and_submitting_finds_the_batch_at_the_provi
     assert not batch.provider_id and batch.status == "submitting"
     worker.api.submit(batch.id, cfg.cloud("cloudy").model,
                       [(q.task.key, request_body(cfg.cloud("cloudy"), q.task, q.granted)) for q in batch.requests])
+    if later:  # someone else's batches on the account, made after ours (one file, many batches)
+        with httpx.Client(base_url=emu.url, headers={"Authorization": f"Bearer {KEY_ENV['DRAFTFLEET_TEST_KEY']}"},
+                          timeout=10) as client:
+            line = {"custom_id": "other", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": cfg.cloud("cloudy").model, "messages": [{"role": "user", "content": "x"}],
+                             "max_tokens": 4}}
+            up = client.post("/v1/files", data={"purpose": "batch"},
+                             files={"file": ("o.jsonl", json.dumps(line).encode() + b"\n", "application/jsonl")})
+            for _ in range(later):
+                assert client.post("/v1/batches", json={"input_file_id": up.json()["id"], "completion_window": "24h",
+                                                        "endpoint": "/v1/chat/completions"}).status_code == 200
     worker._submit = real_submit
     wait_until(lambda: (worker.cycle(), not store.batches())[1], 30, 0.3)
-    assert set(_submitted(emu).values()) == {1} and len(_submitted(emu)) == 4
+    ours = {k: n for k, n in _submitted(emu).items() if k != "other"}
+    assert set(ours.values()) == {1} and len(ours) == 4
     assert len(store.keys("ds")) == 4
     rt.stop()
 

@@ -140,6 +140,23 @@ def test_batch_list_and_file_retrieve(make) -> None:
         assert listed["data"][0]["status"] == "completed"  # time_scale 0: at once
 
 
+def test_the_batch_list_pages_newest_first_as_openais_does(make) -> None:
+    """``limit`` 1-100, default 20; ``after`` the last id of the page before; ``has_more``; a limit out
+    of range is a 400 naming it. A client that reads the first page alone misses older batches."""
+    emu = make(time_scale=0)
+    with httpx.Client(base_url=emu.url, timeout=5) as client:
+        file_id = upload(client, jsonl([line("a")]))
+        made = [create(client, file_id)["id"] for _ in range(25)]
+        first = client.get("/v1/batches", headers=AUTH).json()
+        assert [b["id"] for b in first["data"]] == made[::-1][:20] and first["has_more"] is True
+        assert first["last_id"] == made[5]
+        rest = client.get("/v1/batches", headers=AUTH, params={"after": first["last_id"], "limit": 100}).json()
+        assert [b["id"] for b in rest["data"]] == made[4::-1] and rest["has_more"] is False
+        for bad in ("0", "101", "x"):
+            r = client.get("/v1/batches", headers=AUTH, params={"limit": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+
+
 @pytest.mark.parametrize(("rows", "code", "error_line"), [
     ([line("a"), line("a")], "duplicate_custom_id", 2),
     ([line("a"), b"{not json"], "invalid_json_line", 2),

@@ -332,7 +332,7 @@ class BatchWorker:
 
     def _submit(self, batch: BatchRecord) -> None:
         """Submit a recorded batch (4.), unless the provider has it already (a restart)."""
-        found = self.api.find(batch.id)
+        found = self.api.find(batch.id, since=batch.submitted_at)
         if found:
             self._save(batch, provider_id=found, status="validating")
             return
@@ -387,7 +387,7 @@ class BatchWorker:
         if not batch.provider_id:
             if self.rt.paused:  # a pause (401, 402, the cap...) holds submissions: this one goes after it
                 return
-            if batch.dataset not in self.rt.allowed and not self.api.find(batch.id):
+            if batch.dataset not in self.rt.allowed and not self.api.find(batch.id, since=batch.submitted_at):
                 log.warning("%s: %s is no longer the cloud's: batch %s was never submitted; its %d prompts go back "
                             "to their queue", self.name, batch.dataset, batch.id, len(batch.open_requests()))
                 self._close_all(self._save(batch, status="not_submitted"), "pivoted_before_submission", attempt=False)

@@ -16,6 +16,7 @@ HTTP errors are the cloud worker's (``CloudChat._classify``): 401 and a 402 for 
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import msgspec
@@ -27,6 +28,10 @@ from draftfleet.workers.cloud import CloudChat
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 CHAT_ENDPOINT = "/v1/chat/completions"
+FIND_PAGES = 100  # pages of 100 batches find() reads at most, back to the batch's recording
+FIND_SKEW_S = 3600.0  # the provider's clock against ours: pages are read this far before the recording
+
+log = logging.getLogger("draftfleet.worker")
 
 
 class BatchRefused(Exception):
@@ -101,12 +106,28 @@ class _Client:
             raise Transient("bad_body", f"{self.name}'s batch API answered no JSON object")
         return out
 
-    def find(self, local_id: str) -> str | None:
-        """The provider's id of the batch this fleet submitted as ``local_id``, if any."""
-        out = self._json(self._call("GET", self.path, params={"limit": 100}))
-        for b in out.get("data") or []:
-            if isinstance(b, dict) and (b.get("metadata") or {}).get("draftfleet_batch") == local_id:
-                return str(b.get("id"))
+    def find(self, local_id: str, since: float | None = None) -> str | None:
+        """The provider's id of the batch this fleet submitted as ``local_id``, if any. The list is
+        the account's, newest first, a page at a time (OpenAI's ``after``/``has_more``; OpenRouter's
+        is one page): with ``since`` (when the batch was recorded, before it was sent) the pages are
+        followed back to batches created before it (less :data:`FIND_SKEW_S` for the clocks), so that
+        batches made since by anyone on the account do not hide ours; without, the first page only
+        (a look at the API, or a batch just made)."""
+        params: dict[str, object] = {"limit": 100}
+        for _ in range(FIND_PAGES):
+            out = self._json(self._call("GET", self.path, params=params))
+            page = [b for b in out.get("data") or [] if isinstance(b, dict)]
+            for b in page:
+                if (b.get("metadata") or {}).get("draftfleet_batch") == local_id:
+                    return str(b.get("id"))
+            last = out.get("last_id") or (page[-1].get("id") if page else None)
+            oldest = min((b["created_at"] for b in page if isinstance(b.get("created_at"), (int, float))), default=None)
+            if (since is None or not out.get("has_more") or not last
+                    or (oldest is not None and oldest < since - FIND_SKEW_S)):
+                return None
+            params = {"limit": 100, "after": last}
+        log.warning("%s: batch %s not found in the account's last %d batches; taken as never submitted",
+                    self.name, local_id, FIND_PAGES * 100)
         return None
 
     def close(self) -> None:

@@ -1091,7 +1091,8 @@ class _App:
 
 
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str], bool]:
-    """Request line and headers: method, path (query dropped), lower-cased headers, keep-alive."""
+    """Request line and headers: method, path (the query, where one is sent, as the pseudo-header
+    ``:query``, which no HTTP/1.1 header name can be), lower-cased headers, keep-alive."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -1106,7 +1107,10 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str], bool]:
             headers[name.strip().lower()] = value.strip()
     connection = headers.get("connection", "").lower()
     keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
-    return method, target.split("?", 1)[0], headers, keep_alive
+    path, _, query = target.partition("?")
+    if query:
+        headers[":query"] = query
+    return method, path, headers, keep_alive
 
 
 def _content_length(headers: dict[str, str]) -> int:

@@ -51,6 +51,7 @@ import functools
 import json
 import math
 import time
+import urllib.parse
 import uuid
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
@@ -595,14 +596,24 @@ class BatchAPI:
         return batch
 
     async def _list_batches(self, headers: dict[str, str], body: bytes, t0: float) -> _Reply:
+        """One page, newest first, as OpenAI lists them: ``limit`` 1-100 (default 20), ``after`` the
+        ``last_id`` of the page before, ``has_more`` when older batches follow."""
         self._auth(headers)
+        query = urllib.parse.parse_qs(headers.get(":query", ""))
+        raw = (query.get("limit") or ["20"])[-1]
+        if not raw.isdigit() or not 1 <= int(raw) <= 100:
+            raise _oai_error(400, f"Invalid 'limit': {raw!r}: an integer from 1 to 100.", param="limit")
+        limit, after = int(raw), (query.get("after") or [None])[-1]
         now = time.monotonic()
+        batches = [b for b in reversed(self._batches.values()) if b.shape == "openai"]
+        if after is not None:
+            ids = [b.id for b in batches]
+            batches = batches[ids.index(after) + 1:] if after in ids else []
         data = []
-        for batch in reversed(self._batches.values()):  # newest first, as OpenAI lists them
-            if batch.shape == "openai":
-                self._advance(batch, now)
-                data.append(self._public(batch))
-        return _json({"object": "list", "data": data, "has_more": False,
+        for batch in batches[:limit]:
+            self._advance(batch, now)
+            data.append(self._public(batch))
+        return _json({"object": "list", "data": data, "has_more": len(batches) > limit,
                       "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
     def _batch(self, batch_id: str) -> _Batch:
