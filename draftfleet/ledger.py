@@ -177,8 +177,7 @@ class Ledger:
         self._spend_rehold = client.register_script(SPEND_REHOLD)
 
     # -- counting --------------------------------------------------------------------------
-    def count(self, record: ResponseRecord, now: float | None = None, *, rate: bool = True,
-              batch_held: bool = False) -> bool:
+    def count(self, record: ResponseRecord, now: float | None = None, *, rate: bool = True) -> bool:
         """Add a stored record to the totals (and free its reservation); False if already counted.
 
         A conversation's turns go to the spend of the backend that paid each, except those
@@ -191,9 +190,9 @@ class Ledger:
         intervals, ``busy_ms`` over ``busy_tokens`` in its totals). Records brought in by
         ``import`` or counted late by the reconciler are no backend's rate: ``rate=False``.
 
-        ``batch_held``: a provider batch's answer, whose prompt holds its granted tokens in
-        ``paid_tokens`` (:meth:`batch_hold`): the count moves them to the totals as it does a
-        conversation's paid turns, and its cost goes to the spend.
+        A provider batch's answers are counted by :meth:`count_batch_answers` (their grants held by
+        the batch go with the count); counted here (the reconciler's pass), a batch answer's grant
+        stays held until its batch worker counts it too.
         """
         bucket = int((now or time.time()) // RATE_BUCKET_S)
         end_ms = int(record.created_at * 1000) if rate else 0
@@ -202,9 +201,6 @@ class Ledger:
         conversation = [rk.prepaid(record.dataset, record.key), rk.paid_keys(record.dataset),
                         *(rk.spend(t.backend) for t in turns)] if turns else []
         costs = [micro_usd(t.cost_usd) for t in turns]
-        if batch_held and not turns:  # the mark is "b", not a turn's: the cost is added as a turn's unmarked one
-            conversation = [rk.prepaid(record.dataset, record.key), rk.paid_keys(record.dataset), rk.spend(record.backend)]
-            costs = [micro_usd(record.cost_usd)]
         added = self._count(
             keys=[rk.counted_set(record.dataset), rk.totals(record.dataset, record.backend), rk.spend(record.backend),
                   rk.dataset_totals(record.dataset), rk.reservations(record.dataset),
@@ -217,6 +213,35 @@ class Ledger:
                   *costs],
         )
         return bool(added)
+
+    def count_batch_answers(self, answers: list[tuple[ResponseRecord, SpendHold | None]], most: int = 256) -> int:
+        """A provider batch's stored answers counted, ``most`` a step (``COUNT_BATCH``), each as
+        :meth:`count` (``rate=False``) counts one: its tokens and cost to the totals and the spend once, the grant its batch held (:meth:`batch_hold`) gone (also for a key counted
+        before), its spend hold, where it has one, let go in the same step as its cost enters the
+        spend. Single answers of one backend and dataset. How many were newly counted. What a batch
+        answer costs the shared Redis: a few commands, not ``COUNT_ONCE`` and ``SPEND_RELEASE`` each."""
+        if not answers:
+            return 0
+        backend, dataset = answers[0][0].backend, answers[0][0].dataset
+        added = 0
+        for i in range(0, len(answers), most):
+            recs, held = [], False
+            for record, hold in answers[i:i + most]:
+                if record.backend != backend or record.dataset != dataset or getattr(record, "turns", None):
+                    raise ValueError("count_batch_answers takes single answers of one backend and dataset")
+                recs.append([record.key, record.prompt_tokens, record.completion_tokens, micro_usd(record.cost_usd),
+                             int(record.latency_s * 1000), 0, 0, 0, "", int(record.truncated), "", 0,
+                             [] if hold is None else [[hold.id, hold.token]]])
+                held = held or hold is not None
+            keys = [rk.spend(backend), rk.counted_set(dataset), rk.totals(dataset, backend), rk.dataset_totals(dataset),
+                    rk.reservations(dataset), *self._reservation_index(dataset), rk.rate(dataset, backend, 0),
+                    rk.events(dataset)]
+            if held:
+                keys += [rk.spend_held(backend), rk.spend_held_sum(backend)]
+            body = msgspec.json.encode([[rk.claim(dataset, ""), recs, rk.lease_taken_prefix(dataset),
+                                         rk.prepaid(dataset, ""), rk.paid_keys(dataset)]])
+            added += int(self._count_batch(keys=keys, args=[RATE_KEEP_S, body]))
+        return added
 
     def count_batch(self, results: list[tuple[ResponseRecord, str]] | list[tuple[ResponseRecord, str, str, int]]
                     | list[tuple[ResponseRecord, str, str, int, list[SpendHold]]], now: float | None = None) -> int:
@@ -280,7 +305,7 @@ class Ledger:
     def batch_hold(self, dataset: str, key: str, tokens: int) -> bool:
         """Hold ``tokens`` of the budget for a prompt submitted in a provider batch, as a paid turn
         is held (``paid_tokens``, its mark "b"; its share ``batch_held`` is what admission waits on as
-        in flight): no claim keeps it, so no worker's death, lapse or lease frees it; counting its answer moves it to the totals (``count(batch_held=True)``),
+        in flight): no claim keeps it, so no worker's death, lapse or lease frees it; counting its answer moves it to the totals (:meth:`count_batch_answers`),
         :meth:`batch_unhold` gives it back. Made again from the store after Redis lost it."""
         return bool(self._batch_hold(
             keys=[rk.counted_set(dataset), rk.prepaid(dataset, key), rk.dataset_totals(dataset), rk.paid_keys(dataset)],

@@ -106,8 +106,6 @@ if #KEYS > 8 then  -- the conversation's paid turns are in its record's count no
   local paid = 0
   for _, v in ipairs(redis.call('HVALS', KEYS[9])) do paid = paid + tonumber(v) end
   if paid ~= 0 then redis.call('HINCRBY', KEYS[4], 'paid_tokens', -paid) end
-  local held = redis.call('HGET', KEYS[9], 'b')  -- a provider batch's hold (BATCH_HOLD)
-  if held then redis.call('HINCRBY', KEYS[4], 'batch_held', -tonumber(held)) end
   redis.call('DEL', KEYS[9])
   redis.call('SREM', KEYS[10], ARGV[1])
 end
@@ -134,6 +132,10 @@ return added
 # the spend, or, for a key counted before (a lost reply, the reconciler's pass), once it is counted:
 # each only under its own token and once (a hold gone is not found again), so spent + held never
 # drops below what was billed and a batch sent again frees nothing twice.
+# A group may be a provider batch's answers (its entry has two more fields: the key-marks prefix,
+# rk.prepaid(dataset, ''), and the paid-keys set): each one's grant, held by its batch (BATCH_HOLD's
+# "b" mark, in paid_tokens and batch_held), is in the totals once its key is counted, now or
+# before (the reconciler's pass, a lost reply): its marks go, once, as COUNT_ONCE's do.
 # Returns how many records were newly counted.
 COUNT_BATCH = SETTLE + """
 local groups = cjson.decode(ARGV[2])
@@ -233,6 +235,25 @@ for g, grp in ipairs(groups) do
     if trunc > 0 then redis.call('HINCRBY', events, 'truncated', trunc) end
     spend = spend + cost
     added = added + n
+  end
+  -- a provider batch's answers: each key is counted now; the grant its batch held goes (once)
+  if grp[4] then
+    local paid, held, marked = 0, 0, {}
+    for _, k in ipairs(ks) do
+      local h = grp[4] .. k
+      local marks = redis.call('HGETALL', h)
+      if #marks > 0 then
+        for i = 1, #marks, 2 do
+          paid = paid + tonumber(marks[i + 1])
+          if marks[i] == 'b' then held = held + tonumber(marks[i + 1]) end
+        end
+        redis.call('DEL', h)
+        marked[#marked + 1] = k
+      end
+    end
+    if paid ~= 0 then redis.call('HINCRBY', dst, 'paid_tokens', -paid) end
+    if held ~= 0 then redis.call('HINCRBY', dst, 'batch_held', -held) end
+    if #marked > 0 then redis.call('SREM', grp[5], unpack(marked)) end
   end
   -- release each record's claim, only under its own token (one read, one delete)
   local names = {}

@@ -266,21 +266,32 @@ class BudgetModel(RuleBasedStateMachine):
                                                      closed=all(q.state != "open" for q in done)))
 
     @precondition(lambda self: self.batched)
-    @rule(which=st.integers(0, 10**6), share=st.floats(0, 1), counted=st.booleans())
-    def batch_answer(self, which: int, share: float, counted: bool) -> None:
-        """A batch's answer of at most its grant is stored, then counted with the hold it replaces;
-        or the batch worker dies between the two (the reconciler counts it)."""
-        key = sorted(self.batched)[which % len(self.batched)]
-        made = min(self.batched[key][1], int(share * (self.batched[key][1] + 1)))
-        rec = _record(key, made, "batchy")
-        assert self.store.put(rec)
-        self.stored[key] = made
-        if counted:
-            self.ledger.count(rec, rate=False, batch_held=True)
+    @rule(which=st.integers(0, 10**6), share=st.floats(0, 1), counted=st.booleans(), n=st.integers(1, 4),
+          twice=st.booleans())
+    def batch_answer(self, which: int, share: float, counted: bool, n: int = 1, twice: bool = False) -> None:
+        """Up to ``n`` of a batch's answers, each of at most its grant, are stored, then counted together
+        with the holds they replace (``count_batch_answers``; ``twice``: its reply lost and the count
+        sent again); or the batch worker dies between the two (the reconciler counts them)."""
+        first = sorted(self.batched)[which % len(self.batched)]
+        keys = [k for k in sorted(self.batched) if self.batched[k][0] == self.batched[first][0]][:n]
+        if first not in keys:
+            keys[-1] = first
+        recs = []
+        for key in keys:
+            made = min(self.batched[key][1], int(share * (self.batched[key][1] + 1)))
+            rec = _record(key, made, "batchy")
+            assert self.store.put(rec)
+            self.stored[key] = made
+            recs.append(rec)
+        if not counted:
+            event("batch answers stored, their worker dead before counting them")
+            for key in keys:
+                self.batched.pop(key)  # stored: the store's truth holds them; the batch record still says open
+            return
+        for _ in range(1 + twice):
+            self.ledger.count_batch_answers([(rec, None) for rec in recs], most=2)
+        for key in keys:
             self._settle_batched(key, "stored")
-        else:
-            event("a batch answer stored, its worker dead before counting it")
-            self.batched.pop(key)  # stored: the store's truth holds it; the batch record still says open
 
     @precondition(lambda self: self.batched)
     @rule(which=st.integers(0, 10**6))

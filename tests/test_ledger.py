@@ -245,3 +245,35 @@ def test_a_conversation_reserves_max_tokens_for_each_turn_left(redis_server):
     ledger = Ledger(r)
     assert _admit(r, ledger, "conv", 10_000, 256 * 3).granted == 768
     assert ledger.budget_use("ds", 300, 256, 3).floor_tokens == 3 and not ledger.budget_use("ds", 300, 256, 3).full
+
+
+def test_a_batchs_answers_count_together_and_their_grants_and_spend_holds_go_once(redis_server):
+    """``count_batch_answers``: each answer's tokens and cost in the totals and the spend once, the
+    grant its batch held (``batch_take``'s "b" mark) out of paid_tokens and batch_held, its spend
+    hold let go, in steps of ``most``; sent again, nothing moves; an answer the reconciler counted
+    first (``count``) still gives its grant back."""
+    from draftfleet.ledger import SpendHold
+
+    r = redis_server.client()
+    ledger = Ledger(r)
+    recs = [msgspec.structs.replace(_rec(f"k{i}", 10 + i), backend="batchy", batch_id="b-1") for i in range(5)]
+    holds = []
+    for rec in recs:
+        assert ledger.batch_hold("ds", rec.key, 64)
+        verdict, hold = ledger.spend_hold("batchy", "ds", rec.key, None, "batch:b-1", 100, 10.0, 64, 1.0,
+                                          hold_id=f"ds:{rec.key}:-:1")
+        assert verdict == ADMITTED
+        holds.append(SpendHold(hold.id, hold.token, 0, 0))
+    assert ledger.dataset_totals("ds")["batch_held"] == 5 * 64
+    assert ledger.count(recs[0], rate=False)  # the reconciler's pass came first: its grant is still held
+    assert ledger.dataset_totals("ds")["batch_held"] == 5 * 64
+    assert ledger.count_batch_answers(list(zip(recs, holds)), most=2) == 4
+    totals = ledger.dataset_totals("ds")
+    assert totals["completion_tokens"] == sum(x.completion_tokens for x in recs) and totals["responses"] == 5
+    assert totals.get("paid_tokens", 0) == 0 and totals.get("batch_held", 0) == 0
+    assert not r.smembers(rk.paid_keys("ds")) and not r.exists(rk.prepaid("ds", "k1"))
+    assert ledger.spend_usd("batchy") == pytest.approx(5 * 0.001) and ledger.spend_holds("batchy") == {}
+    assert ledger.spend_held_usd("batchy") == 0
+    assert "provider_tokens" not in ledger.totals("ds")["batchy"]  # a batch's price is not the sync side's
+    assert ledger.count_batch_answers(list(zip(recs, holds))) == 0  # sent again: nothing twice
+    assert ledger.dataset_totals("ds") == totals and ledger.spend_usd("batchy") == pytest.approx(5 * 0.001)

@@ -45,7 +45,7 @@ from draftfleet.claims import CLAIM_TTL_S
 from draftfleet.conversation import single_record
 from draftfleet.ledger import ADMITTED, CLAIMED, LOST, REFUSED, WAIT, Admission, SpendHold
 from draftfleet.schemas.config import MAX_RETRY_WAIT_S
-from draftfleet.schemas.records import BatchRecord, BatchRequest, FailureRecord, PromptTask, WorkerReport
+from draftfleet.schemas.records import BatchRecord, BatchRequest, FailureRecord, PromptTask, ResponseRecord, WorkerReport
 from draftfleet.store import StoreError, check_key, check_name
 from draftfleet.store.base import new_batch_id
 from draftfleet.workers.backends import BackendError, Halt, Permanent, Transient
@@ -420,15 +420,20 @@ class BatchWorker:
         return self._save(batch, cancel_requested=True)
 
     def finish(self, batch: BatchRecord, state: BatchState) -> None:
-        """Store, count, send back or fail each open request; then the batch holds nothing."""
+        """Store, count, send back or fail each open request; then the batch holds nothing. Its
+        stored answers are counted together (``Ledger.count_batch_answers``), before the batch is
+        closed: a crash between leaves it open, and the next pass finds each answer stored as ours
+        and counts it then (once)."""
         results = {r.custom_id: r for r in state.results or []}
-        done = []
+        done: list[BatchRequest] = []
+        to_count: list[tuple[ResponseRecord, SpendHold | None]] = []
         for q in batch.requests:
             if q.state == "open":
                 result = results.get(q.task.key) or BatchResult(q.task.key, 0, None, f"batch_{state.status}",
                                                                 state.error or f"the batch ended {state.status}")
-                q = self._settle(batch, q, result)
+                q = self._settle(batch, q, result, to_count)
             done.append(q)
+        self.rt.ledger.count_batch_answers(to_count)
         stored = sum(q.state == "stored" for q in done)
         returned = sum(q.state == "returned" for q in done)
         self._save(batch, requests=done, closed=True)
@@ -437,11 +442,12 @@ class BatchWorker:
             batch.provider_id, batch.dataset, state.status, f" ({state.error})" if state.error else "", stored,
             returned, len(done) - stored - returned)
 
-    def _settle(self, batch: BatchRecord, q: BatchRequest, result: BatchResult) -> BatchRequest:
+    def _settle(self, batch: BatchRecord, q: BatchRequest, result: BatchResult,
+                to_count: list[tuple[ResponseRecord, SpendHold | None]]) -> BatchRequest:
         rt = self.rt
         if result.status_code == 200 and result.body is not None:
             try:
-                return self._store(batch, q, result.body)
+                return self._store(batch, q, result.body, to_count)
             except (Permanent, Halt) as exc:
                 return self._fail(batch, q, exc.reason, str(exc))
             except Transient as exc:
@@ -455,7 +461,10 @@ class BatchWorker:
             return self._send_back(batch, q, getattr(fate, "reason", f"http_{result.status_code}"), str(fate))
         return self._send_back(batch, q, result.error_code or "no_result", result.error_message)
 
-    def _store(self, batch: BatchRecord, q: BatchRequest, body: dict) -> BatchRequest:
+    def _store(self, batch: BatchRecord, q: BatchRequest, body: dict,
+               to_count: list[tuple[ResponseRecord, SpendHold | None]]) -> BatchRequest:
+        """Store the answer write-once; ours (also one stored before a restart) goes to ``to_count``
+        with its spend hold, counted with the batch's others (:meth:`finish`)."""
         rt = self.rt
         task = q.task
         usage = rt.backend._usage(body.get("usage") or {})
@@ -477,15 +486,16 @@ class BatchWorker:
             kept = rt.store.get(task.dataset, task.key)
             stored = kept.output_ids == record.output_ids and kept.backend == record.backend and kept.text == record.text
             record = kept if stored else record
-        if stored:  # ours (also one stored before a restart): counted once, its hold now what it made
-            rt.ledger.count(record, rate=False, batch_held=True)
-        else:  # a twin stored the key meanwhile: ours was paid all the same
-            rt.charge(task, self.name, cost, "twin_stored")
-            rt.ledger.batch_unhold(task.dataset, task.key)
-            rt.ledger.count(rt.store.get(task.dataset, task.key), rate=False)
+        if stored:  # ours: counted once with the batch's others, its grant then what it made, its hold gone
+            hold = (SpendHold(rk.batch_hold_id(task.dataset, task.key, batch.id), rk.batch_token(batch.id), 0, 0)
+                    if rt.spend_cap is not None else None)
+            to_count.append((record, hold))
+            return msgspec.structs.replace(q, state="stored")
+        # a twin stored the key meanwhile: ours was paid all the same
+        rt.charge(task, self.name, cost, "twin_stored")
+        rt.ledger.batch_unhold(task.dataset, task.key)
+        rt.ledger.count(rt.store.get(task.dataset, task.key), rate=False)
         self._release_hold(task.key, task.dataset, batch.id)
-        if record.truncated:
-            rt.ledger.event(task.dataset, "truncated")
         return msgspec.structs.replace(q, state="stored")
 
     def _cost(self, usage, gen) -> tuple[float, str]:
