@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
@@ -491,8 +491,11 @@ def test_the_budget_holds_under_any_interleaving_of_admission_answers_and_faults
 
 def test_the_model_catches_a_ledger_that_frees_a_stored_answers_room(redis_server, tmp_path, monkeypatch):
     """The model is not kinder than the fleet: with the tally releasing the reservation of a record
-    it stored but could not count (as it did before this issue), the model finds the budget passed."""
+    it stored but could not count (as it did before this issue), the model finds the budget passed,
+    on the shortest way there: admit, answer, its count never landed (Redis away under every try). (A fixed sequence: a search for
+    it missed now and then as the model's rules grew.)"""
     r = redis_server.client()
+    monkeypatch.setitem(globals(), "event", lambda *a, **k: None)  # hypothesis's events need a hypothesis test
 
     def release_too(self, batch):
         for record, _, token, *_ in batch:
@@ -500,11 +503,21 @@ def test_the_model_catches_a_ledger_that_frees_a_stored_answers_room(redis_serve
         real(self, batch)
 
     real = Tally._abandon
-    monkeypatch.setattr(Tally, "_abandon", release_too)
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(lambda: BudgetModel(r, tmp_path), settings=settings(
-            max_examples=200, stateful_step_count=STEPS, deadline=None, database=None,
-            phases=[Phase.generate], suppress_health_check=[HealthCheck.too_slow]))
+    model = BudgetModel(r, tmp_path)
+    try:
+        model.setup(max_tokens=64, answers=10, part=0.0)
+        for mutated in (False, True):
+            if mutated:
+                monkeypatch.setattr(Tally, "_abandon", release_too)
+            model.admit_alone(0)
+            model.answer(0, 1.0, "never_landed")
+            if not mutated:
+                model.counted_once_and_covered()  # the real tally keeps the room held (buried) until counted
+        with pytest.raises(AssertionError, match="less than"):
+            model.counted_once_and_covered()
+    finally:
+        for w in model.workers:
+            w.claims.withdraw()
 
 
 def test_the_model_catches_a_rebuild_that_forgets_open_batches(redis_server, tmp_path, monkeypatch):
