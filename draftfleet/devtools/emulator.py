@@ -967,15 +967,20 @@ class _App:
         }
         return _Reply(200, _encode(payload), cut=fault == "cut")
 
-    async def _chat(self, headers: dict[str, str], body: bytes, t0: float) -> _Reply:
-        """OpenAI chat completions with OpenRouter's usage accounting and error shapes."""
+    def check_key(self, headers: dict[str, str]) -> None:
+        """OpenRouter's key check, in its words (the key never echoed): the chat endpoint's and the
+        batch API's alike."""
         auth = headers.get("authorization", "")
         if not auth.startswith("Bearer ") or not auth[7:].strip():
             self._counts["unauthorized"] += 1
-            return _Reply(401, _error_body(401, "No auth credentials found"))
+            raise _HttpError(401, _error_body(401, "No auth credentials found"))
         if self.config.api_key is not None and not _bearer_is(headers, self.config.api_key):
             self._counts["unauthorized"] += 1
-            return _Reply(401, _error_body(401, "User not found."))
+            raise _HttpError(401, _error_body(401, "User not found."))
+
+    async def _chat(self, headers: dict[str, str], body: bytes, t0: float) -> _Reply:
+        """OpenAI chat completions with OpenRouter's usage accounting and error shapes."""
+        self.check_key(headers)
         req = _decode_chat(body)
         if not req.messages:
             raise ValueError("messages must not be empty")

@@ -204,6 +204,20 @@ class _File(msgspec.Struct):
                 "filename": self.filename, "purpose": self.purpose, "status": "processed", "status_details": None}
 
 
+def _validated(b: "_Batch", at: float, errors: list[dict[str, Any]], requests: list[tuple[str, dict[str, Any]]]) -> None:
+    """A validation's end, both shapes: any error fails the batch and runs nothing; else its
+    requests run from ``at``."""
+    if errors:
+        b.errors = errors
+        b.status = "failed"
+        b.stamps["failed_at"] = b.wall(at)
+        return
+    b.requests = requests
+    b.status = "in_progress"
+    b.stamps["in_progress_at"] = b.wall(at)
+    b.start = at
+
+
 class _Batch(msgspec.Struct):
     """One batch and its schedule, in monotonic wall seconds (``t0`` is its creation)."""
 
@@ -378,14 +392,7 @@ class BatchAPI:
 
     def _or_auth(self, headers: dict[str, str]) -> None:
         """The key check of the chat endpoint, in OpenRouter's words (the key never echoed)."""
-        app = self._app
-        auth = headers.get("authorization", "")
-        if not auth.startswith("Bearer ") or not auth[7:].strip():
-            app._counts["unauthorized"] += 1
-            raise _HttpError(401, _error_body(401, "No auth credentials found"))
-        if app.config.api_key is not None and not _bearer_is(headers, app.config.api_key):
-            app._counts["unauthorized"] += 1
-            raise _HttpError(401, _error_body(401, "User not found."))
+        self._app.check_key(headers)
 
     async def _or_create(self, headers: dict[str, str], body: bytes, t0: float) -> _Reply:
         """Submit: ``endpoint``, ``model`` (and ``callback_url``) serialized before ``requests`` (the server
@@ -775,15 +782,7 @@ class BatchAPI:
                 error("invalid_request", "The request body needs a non-empty messages list.", number, "body.messages")
                 continue
             requests.append((custom_id, body))
-        if errors:
-            b.errors = errors
-            b.status = "failed"
-            b.stamps["failed_at"] = b.wall(at)
-            return
-        b.requests = requests
-        b.status = "in_progress"
-        b.stamps["in_progress_at"] = b.wall(at)
-        b.start = at
+        _validated(b, at, errors, requests)
 
     def _validate_openrouter(self, b: _Batch, at: float) -> None:
         """The checks OpenRouter makes after acceptance: the batch's model served, each custom_id
@@ -811,15 +810,7 @@ class BatchAPI:
                 errors.append({"message": f"{where}: {problem}", "line": i})
                 continue
             requests.append((custom_id, {**body, "model": b.model}))  # a body without a model takes the batch's
-        if errors:
-            b.errors = errors
-            b.status = "failed"
-            b.stamps["failed_at"] = b.wall(at)
-            return
-        b.requests = requests
-        b.status = "in_progress"
-        b.stamps["in_progress_at"] = b.wall(at)
-        b.start = at
+        _validated(b, at, errors, requests)
 
     def _run(self, b: _Batch, until: float) -> None:
         """Answer the requests whose turn has come by ``until`` (one after another, in file order)."""
