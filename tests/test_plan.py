@@ -605,7 +605,8 @@ def test_prompts_in_open_batches_are_left_until_their_batch_closes(tmp_path, red
     (plan,) = json.loads(cp.stdout)
     assert (plan["state"], plan["prompts_left"], plan["in_batch"]) == ("open", 90, 90)  # the store's 90 not stored
     cp = run_cli("status", "--config", str(config), "--redis-url", redis_server.url, env={"COLUMNS": "200"})
-    assert "(+90 in batches)" in cp.stdout, cp.stdout
+    (row,) = [line for line in cp.stdout.splitlines() if line.lstrip().startswith("ds (")]
+    assert "batched" in cp.stdout and row.split()[2:5] == ["0", "0", "90"], cp.stdout  # queued, running, batched
 
     r.hdel(rk.BATCHES, "b-cloudy")  # closed: its prompts are stored, failed or queued again
     snap = snapshot(cfg, r, ["ds"])

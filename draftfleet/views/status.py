@@ -263,15 +263,18 @@ def render(snap: Snapshot) -> Group:
             state = "[yellow]stale[/]" if w.age_s > 60 else "ok"
         wt.add_row(escape(w.hostname), f"{escape(w.backend)} ({w.kind})", escape(w.endpoint), ",".join(w.datasets) or "-",
                    f"{w.inflight}/{w.slots}", state)
-    dt = _table("datasets (kinds assigned)", [("dataset", False), ("queued", True), ("running", True), ("done", True),
+    # prompts out in open provider batches: a column of their own while any are (a short header, for 80 columns)
+    batched = any(d.in_batch for d in snap.datasets)
+    dt = _table("datasets (kinds assigned)", [("dataset", False), ("queued", True), ("running", True),
+                                              *([("batched", True)] if batched else []), ("done", True),
                                               ("tokens", True), ("budget", True), ("tok/s", True), ("ETA", True)])
     for d in snap.datasets:
         budget = f"{100 * (d.share_done or 0):.0f}% of {_n(d.budget_tokens)}" if d.budget_tokens else "-"
         if d.budget is not None and d.budget.rule == "whole":
             budget += " (whole)"
-        running = _n(d.inflight) + (f" (+{d.in_batch:,} in batches)" if d.in_batch else "")
-        dt.add_row(f"{d.dataset} ({','.join(d.assigned) or 'none'})", _n(d.queue_depth), running,
-                   _n(d.responses), _n(d.completion_tokens), budget, _n(d.tps_10m), _eta(d))
+        dt.add_row(f"{d.dataset} ({','.join(d.assigned) or 'none'})", _n(d.queue_depth), _n(d.inflight),
+                   *([_n(d.in_batch)] if batched else []), _n(d.responses), _n(d.completion_tokens), budget,
+                   _n(d.tps_10m), _eta(d))
     bt = _table("by backend (tok/s over 1 and 10 min, or the run's age if shorter)",
                 [("dataset / backend", False), ("done", True), ("tokens", True), ("1m", True), ("10m", True),
                  ("cost $", True), ("retry", True), ("fail", True)])
